@@ -1,0 +1,35 @@
+"""The ``qrecover`` command: one file per command, all of them thin wrappers over :mod:`qrecover.api`."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ..errors import QRecoverError
+from . import compress as _compress, info as _info, ppl as _ppl
+
+app = typer.Typer(
+    name="qrecover",
+    help="Compress language models below 4 bits per weight, recover accuracy, gate releases.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("compress", epilog=_compress.EXAMPLES)(_compress.compress)
+app.command("info", epilog=_info.EXAMPLES)(_info.info)
+app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: bad input ends with its message and exit code 2, never a traceback."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except QRecoverError as e:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        sys.exit(130)

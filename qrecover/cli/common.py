@@ -1,0 +1,28 @@
+"""Option types shared by several commands, and output helpers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of a table.")
+ModelArg = typer.Option(None, "--model", "-m", help="Hugging Face causal-LM directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+CalibDataOpt = typer.Option("python-docs", "--calib-data", help="Text: 'python-docs' (built in), or a directory, file or glob of text files.")
+
+
+def emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def parse_ints(value: str, what: str) -> list[int]:
+    from ..errors import QRecoverError
+
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise QRecoverError(f"{what} {value!r} must be comma-separated integers, e.g. 2,4") from None

