@@ -51,13 +51,20 @@ def _linear_candidates(cfg: CompressConfig) -> list[Candidate]:
     return [Candidate(f"{cfg.scheme}:{b}", cfg.scheme, dict(cfg.scheme_params), b) for b in sorted(cfg.bits)]
 
 
-def _embedding_candidates(cfg: CompressConfig, scope_has_embedding: bool) -> list[Candidate]:
-    int8 = Candidate("blockwise:8", "blockwise", {"block_size": None, "symmetric": True}, 8)  # AFM: per-channel int8
-    pal4 = Candidate("palettize:4", "palettize", {"group_size": 16, "block_size": None}, 4)
+# embedding encodings the allocator may choose from (the embedding is a fifth of a 135M model's weights)
+_EMB_CANDS = [
+    Candidate("palettize:4", "palettize", {"group_size": 16, "block_size": None}, 4),  # 4.03 bpw
+    Candidate("palettize:4/b64", "palettize", {"group_size": 16, "block_size": 64}, 4),  # 4.25 bpw
+    Candidate("blockwise:4/b32", "blockwise", {"block_size": 32, "symmetric": False}, 4),  # 4.63 bpw
+    Candidate("blockwise:8", "blockwise", {"block_size": None, "symmetric": True}, 8),  # AFM: per-channel int8
+]
+
+
+def _embedding_labels(cfg: CompressConfig) -> list[str]:
     mode = cfg.embedding_bits
-    if mode == "auto" and not (scope_has_embedding and cfg.bpw is not None):
+    if mode == "auto" and (cfg.scope != "model" or cfg.bpw is None):
         mode = "8"  # nothing to trade it against: keep AFM's default
-    return {"auto": [pal4, int8], "4": [pal4], "8": [int8]}[mode]
+    return [c.label for c in _EMB_CANDS if mode == "auto" or c.bits == int(mode)]
 
 
 def _bpw(nbytes: int, params: int) -> float:
@@ -67,60 +74,48 @@ def _bpw(nbytes: int, params: int) -> float:
 # --- compress -------------------------------------------------------------------------------------------
 
 
-def compress(config: CompressConfig | None = None, out: str | Path | None = None, overwrite: bool = False,
-             show_progress: bool = True, **overrides: Any) -> dict[str, Any]:
-    """Compress a model to ``config.bpw`` bits per weight; write a checkpoint to ``out``; return its manifest."""
-    cfg = config or CompressConfig(**overrides)
+@dataclass
+class Prepared:
+    """The expensive part of compression, reusable for any budget, scope, allocation or embedding width:
+    the loaded model, and for every quantizable unit its candidate encodings with their estimated damage."""
+
+    cfg: CompressConfig
+    model: nn.Module
+    tokenizer: Any
+    source: Any
+    params: dict[str, int]
+    units: dict[str, dict[str, Any]]  # name -> {"kind", "tied", "cands": [Candidate], "results": [(QuantizedWeight, damage)]}
+    remainder: dict[str, torch.Tensor]
+    head_name: str | None
+    calibration: dict[str, Any]
+    seconds: float
+
+
+def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
+    """Load, calibrate, and quantize every unit at every candidate width (see :mod:`qrecover.calibrate`)."""
     t0 = time.time()
-    out = Path(out) if out is not None else None
-    if out is not None and out.exists() and not overwrite:
-        raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
     model, tok, source = load_model(cfg.model)
-    n_params = count_parameters(model)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     linears = {f"{prefix}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
     emb, head, tied = model.get_input_embeddings(), model.get_output_embeddings(), is_tied(model)
     emb_name = module_name(model, emb)
     head_name = module_name(model, head) if head is not None else None
-    n_linear = sum(m.weight.numel() for m in linears.values())
-
-    # the units the allocator chooses for, and their candidate encodings
     lin_cands = _linear_candidates(cfg)
     for c in lin_cands:
-        for name, m in linears.items():
+        for m in linears.values():
             c.quantizer.check(tuple(m.weight.shape), c.bits)
-    in_scope_emb = cfg.scope == "model"
-    emb_cands = _embedding_candidates(cfg, in_scope_emb)
-    untied_head = head is not None and not tied
+    emb_cands = list(_EMB_CANDS)
     units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": lin_cands} for n, m in linears.items()}
     units[emb_name] = {"kind": "embedding", "module": emb, "cands": emb_cands, "tied": tied}
+    untied_head = head is not None and not tied
     if untied_head:
         units[head_name] = {"kind": "head", "module": head, "cands": emb_cands}
-    quantized_params = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
-    remainder = {k: v for k, v in model.state_dict().items() if k not in quantized_params}
-    remainder_bytes = sum(v.numel() * 2 for v in remainder.values())  # stored as 16-bit
+    quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
+    remainder = {k: v for k, v in model.state_dict().items() if k not in quantized}
 
-    # fail fast on an impossible budget, before minutes of calibration
-    sizes = {n: [c.quantizer.nbytes(tuple(u["module"].weight.shape), c.bits) for c in u["cands"]] for n, u in units.items()}
-    budget_units = [n for n, u in units.items() if u["kind"] == "linear" or in_scope_emb]
-    if cfg.bpw is not None:
-        denom = n_params if in_scope_emb else n_linear
-        fixed = remainder_bytes if in_scope_emb else 0
-        budget_bytes = math.floor(cfg.bpw * denom / 8) - fixed
-        lo = sum(min(sizes[n]) for n in budget_units) + fixed
-        hi = sum(max(sizes[n]) for n in budget_units) + fixed
-        if budget_bytes < lo - fixed:
-            raise QRecoverError(
-                f"--bpw {cfg.bpw} is below what these choices can reach: with --bits {','.join(map(str, cfg.bits))} "
-                f"and --scope {cfg.scope} the smallest is {_bpw(lo, denom):.3f} bpw and the largest "
-                f"{_bpw(hi, denom):.3f} bpw; raise --bpw or allow lower --bits"
-            )
-
-    # calibration
     windows = token_windows(tok, cfg.calib_data, "calib", cfg.calib_samples, cfg.seq_len)
     grads = gradient_stats(model, windows, show_progress)
-    results: dict[str, list[tuple[QuantizedWeight, float]]] = {}
 
     def quantize_unit(name: str, weight: torch.Tensor, stats: dict, damage_fn) -> None:
         cands = units[name]["cands"]
@@ -132,7 +127,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
             for c, qw in zip(group, group[0].quantizer.quantize_many(weight, [c.bits for c in group], stats)):
                 done[c.label] = qw
         w = weight.detach().float()
-        results[name] = [(done[c.label], damage_fn(w - done[c.label].dequantize())) for c in cands]
+        units[name]["results"] = [(done[c.label], max(damage_fn(w - done[c.label].dequantize()), 0.0)) for c in cands]
 
     def on_layer(_i: int, _layer: nn.Module, stats: dict) -> None:
         for name, st in stats.items():
@@ -142,67 +137,102 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     sequential(model, windows, on_layer, show_progress)
     with _progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
-        hd = grads["head"]
+        hd, fisher = grads["head"], grads["emb_fisher"]
         h_diag = hd["hessian"].diagonal()
-        if tied:
-            imp = grads["emb_fisher"] + hd["out_grad_sq"].unsqueeze(1) * h_diag.unsqueeze(0)
-            fn = lambda dw: lookup_damage(dw, grads["emb_fisher"]) + linear_damage(dw, hd["hessian"], hd["out_grad_sq"])  # noqa: E731
+        if tied:  # the matrix serves both the lookup and the logits: importance and damage of both
+            imp = fisher + hd["out_grad_sq"].unsqueeze(1) * h_diag.unsqueeze(0)
+            fn = lambda dw: lookup_damage(dw, fisher) + linear_damage(dw, hd["hessian"], hd["out_grad_sq"])  # noqa: E731
         else:
-            imp = grads["emb_fisher"]
-            fn = lambda dw: lookup_damage(dw, grads["emb_fisher"])  # noqa: E731
+            imp, fn = fisher, (lambda dw: lookup_damage(dw, fisher))  # noqa: E731
         quantize_unit(emb_name, emb.weight, {"element_sq": imp}, fn)
         if untied_head:
             quantize_unit(head_name, head.weight, {"input_sq": h_diag, "hessian": hd["hessian"]},
                           lambda dw: linear_damage(dw, hd["hessian"], hd["out_grad_sq"]))
         bar.advance(task)
+    calibration = {"source": cfg.calib_data, "split": "calib", "windows": cfg.calib_samples, "seq_len": cfg.seq_len,
+                   "tokens": grads["tokens"], "loss": grads["loss"]}
+    params = {"model": count_parameters(model), "linear": sum(m.weight.numel() for m in linears.values())}
+    return Prepared(cfg, model, tok, source, params, units, remainder, head_name, calibration, time.time() - t0)
 
-    # allocation
-    table = {n: [Choice(c.label, qw.nbytes, max(d, 0.0)) for c, (qw, d) in zip(units[n]["cands"], results[n])] for n in units}
-    for n in units:
-        assert [ch.nbytes for ch in table[n]] == sizes[n], f"predicted bytes differ from packed bytes for {n}"
+
+def compress(config: CompressConfig | None = None, out: str | Path | None = None, overwrite: bool = False,
+             show_progress: bool = True, prepared: Prepared | None = None, **overrides: Any) -> dict[str, Any]:
+    """Compress a model to ``config.bpw`` bits per weight; write a checkpoint to ``out``; return its manifest.
+
+    ``prepared`` (from :func:`prepare` with the same model, scheme, bits and calibration) skips the
+    expensive stage, so one calibration serves several budgets.
+    """
+    cfg = config or CompressConfig(**overrides)
+    t0 = time.time()
+    out = Path(out) if out is not None else None
+    if out is not None and out.exists() and not overwrite:
+        raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+    in_scope_emb = cfg.scope == "model"
+    emb_labels = _embedding_labels(cfg)
+    if prepared is None:
+        _check_budget_early(cfg)
+        prepared = prepare(cfg, show_progress)
+    p = prepared
+    if sorted(c.bits for c in _linear_candidates(cfg)) != sorted(c.bits for c in _linear_candidates(p.cfg)) or cfg.scheme != p.cfg.scheme:
+        raise QRecoverError(f"prepared candidates are for {p.cfg.scheme} bits {p.cfg.bits}, not {cfg.scheme} bits {cfg.bits}")
+    remainder_bytes = sum(v.numel() * 2 for v in p.remainder.values())  # stored as 16-bit
+
+    # the choices the allocator may make: every linear candidate; the embedding's allowed widths
+    table: dict[str, list[Choice]] = {}
+    picks: dict[str, list[int]] = {}
+    for n, u in p.units.items():
+        keep = [k for k, c in enumerate(u["cands"]) if u["kind"] == "linear" or c.label in emb_labels]
+        picks[n] = keep
+        table[n] = [Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1]) for k in keep]
+    budget_units = [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb]
     if cfg.bpw is None:
-        plan_idx = {n: 0 for n in units}
+        chosen = {n: 0 for n in p.units}
+        if len(cfg.bits) != 1:
+            raise QRecoverError(f"a uniform model needs a single width in --bits, got {cfg.bits}")
     else:
-        sub = {n: table[n] for n in budget_units}
+        denom = p.params["model"] if in_scope_emb else p.params["linear"]
+        fixed = remainder_bytes if in_scope_emb else 0
+        budget_bytes = math.floor(cfg.bpw * denom / 8) - fixed
+        lo = sum(min(c.nbytes for c in table[n]) for n in budget_units) + fixed
+        hi = sum(max(c.nbytes for c in table[n]) for n in budget_units) + fixed
+        if budget_bytes + fixed < lo:
+            raise _infeasible(cfg, _bpw(lo, denom), _bpw(hi, denom))
         fn = allocate if cfg.allocation == "sensitivity" else allocate_by_position
-        try:
-            plan: Plan = fn(sub, budget_bytes)
-        except InfeasibleBudget as e:  # the early check should have caught it
-            raise QRecoverError(str(e)) from None
-        plan_idx = dict(plan.choices)
-        for n in units:
-            plan_idx.setdefault(n, 0 if len(table[n]) == 1 else max(range(len(table[n])), key=lambda k: table[n][k].nbytes))
+        plan: Plan = fn({n: table[n] for n in budget_units}, budget_bytes)
+        chosen = dict(plan.choices)
+        for n in p.units:  # outside the budget's scope: the largest allowed choice
+            chosen.setdefault(n, max(range(len(table[n])), key=lambda k: table[n][k].nbytes))
 
-    # assemble and save
-    tensors: dict[str, torch.Tensor] = {k: v.detach().to(torch.float16).contiguous() for k, v in remainder.items()}
+    tensors: dict[str, torch.Tensor] = {k: v.detach().to(torch.float16).contiguous() for k, v in p.remainder.items()}
     layer_info: dict[str, Any] = {}
-    for n, u in units.items():
-        c = u["cands"][plan_idx[n]]
-        qw = results[n][plan_idx[n]][0]
+    damage_total = 0.0
+    for n, u in p.units.items():
+        k = picks[n][chosen[n]]
+        qw, damage = u["results"][k]
+        damage_total += damage
         for tname, t in qw.tensors.items():
             tensors[f"{n}.{tname}"] = t.contiguous()
         layer_info[n] = {
             "kind": u["kind"], "scheme": qw.scheme, "bits": qw.bits, "params": qw.params, "shape": list(qw.shape),
             "tensors": sorted(qw.tensors), "nbytes": qw.nbytes, "bpw": _bpw(qw.nbytes, qw.numel),
-            "damage": results[n][plan_idx[n]][1], "label": c.label,
-            **({"tied_to": head_name} if u.get("tied") and tied else {}),
+            "damage": damage, "label": u["cands"][k].label,
+            **({"tied_to": p.head_name} if u.get("tied") else {}),
         }
     manifest: dict[str, Any] = {
         "format": "qrecover",
         "format_version": FORMAT_VERSION,
-        "source": {"path": source.path, "kind": source.kind, "name": source.name, "weights_sha256": source.weights_sha256},
-        "architecture": type(model).__name__,
-        "parameters": {"model": n_params, "linear": n_linear},
+        "source": {"path": p.source.path, "kind": p.source.kind, "name": p.source.name, "weights_sha256": p.source.weights_sha256},
+        "architecture": type(p.model).__name__,
+        "parameters": p.params,
         "budget": {"bpw": cfg.bpw, "scope": cfg.scope, "bits": cfg.bits, "allocation": cfg.allocation,
                    "embedding_bits": cfg.embedding_bits},
         "config": cfg.to_dict(),
         "layers": layer_info,
-        "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in remainder.items()},
+        "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in p.remainder.items()},
         "sensitivity": {"method": METHOD, "unit": "predicted increase of mean next-token loss (nats)",
-                        "table": {n: {ch.label: ch.damage for ch in table[n]} for n in units},
-                        "predicted_loss_increase": sum(results[n][plan_idx[n]][1] for n in units)},
-        "calibration": {"source": cfg.calib_data, "split": "calib", "windows": cfg.calib_samples,
-                        "seq_len": cfg.seq_len, "tokens": grads["tokens"], "loss": grads["loss"]},
+                        "table": {n: {c.label: d for c, (_, d) in zip(u["cands"], u["results"])} for n, u in p.units.items()},
+                        "predicted_loss_increase": damage_total},
+        "calibration": p.calibration,
         "versions": _versions(),
     }
     if out is None:
@@ -214,14 +244,55 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         manifest["bytes"] = measured["bytes"]
         manifest["weights_file"] = {"name": WEIGHTS, "sha256": sha256_file(tmp / WEIGHTS)}
         manifest["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        manifest["seconds"] = round(time.time() - t0, 1)
-        config = model.config
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        manifest["seconds"] = round(time.time() - t0, 1)  # this call; includes preparing unless it was given
+        manifest["prepare_seconds"] = round(p.seconds, 1)
+        p.model.config.save_pretrained(tmp)
+        if getattr(p.model, "generation_config", None) is not None:
+            p.model.generation_config.save_pretrained(tmp)
+        p.tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _infeasible(cfg: CompressConfig, lo: float, hi: float) -> QRecoverError:
+    return QRecoverError(
+        f"--bpw {cfg.bpw} is below what these choices can reach: with --bits {','.join(map(str, cfg.bits))}, "
+        f"--embedding-bits {cfg.embedding_bits} and --scope {cfg.scope} the smallest is {lo:.3f} bpw and the "
+        f"largest {hi:.3f} bpw; raise --bpw or allow lower --bits"
+    )
+
+
+def _check_budget_early(cfg: CompressConfig) -> None:
+    """Refuse an impossible budget from shapes alone, before minutes of calibration."""
+    if cfg.bpw is None:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, kind = resolve(cfg.model)
+    if kind not in ("hf", "default"):
+        return  # a GGUF is checked after loading
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    layers = decoder_layers(model)
+    lin = [m for l in layers for m in linear_layers(l).values()]
+    emb = model.get_input_embeddings()
+    cands = _linear_candidates(cfg)
+    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg)]
+    sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in cands] for m in lin]
+    n_lin = sum(m.weight.numel() for m in lin)
+    if cfg.scope == "model":
+        n_all = count_parameters(model)
+        rem = 2 * (n_all - n_lin - emb.weight.numel())
+        if not is_tied(model) and model.get_output_embeddings() is not None:
+            rem -= 2 * model.get_output_embeddings().weight.numel()
+            sizes.append([c.quantizer.nbytes(tuple(model.get_output_embeddings().weight.shape), c.bits) for c in emb_cands])
+        sizes.append([c.quantizer.nbytes(tuple(emb.weight.shape), c.bits) for c in emb_cands])
+        denom, fixed = n_all, rem
+    else:
+        denom, fixed = n_lin, 0
+    lo = sum(min(s) for s in sizes) + fixed
+    if math.floor(cfg.bpw * denom / 8) < lo:
+        raise _infeasible(cfg, _bpw(lo, denom), _bpw(sum(max(s) for s in sizes) + fixed, denom))
 
 
 def measure_bpw(weights: Path, manifest: dict[str, Any]) -> dict[str, Any]:

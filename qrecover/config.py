@@ -19,10 +19,10 @@ class CompressConfig:
     bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers", )
     scheme: str = doc_field("palettize", "quantizer for the decoder linear layers (a registered scheme name)")
     scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
-    embedding_bits: str = doc_field("auto", "'auto' (the allocator picks 4-bit palettized or 8-bit per-channel), '4' or '8'")
+    embedding_bits: str = doc_field("auto", "'auto' (the allocator picks among 4-bit palettized, 4-bit block-wise and 8-bit per-channel), '4' or '8'")
     allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly by position)")
     calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files")
-    calib_samples: int = doc_field(32, "calibration windows")
+    calib_samples: int = doc_field(16, "calibration windows")
     seq_len: int = doc_field(512, "tokens per calibration window")
     seed: int = doc_field(0, "random seed (the pipeline is deterministic; recorded for provenance)")
 

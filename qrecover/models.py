@@ -146,14 +146,9 @@ def module_name(model: nn.Module, module: nn.Module) -> str:
 def is_tied(model: nn.Module) -> bool:
     out = model.get_output_embeddings()
     inp = model.get_input_embeddings()
-    return out is not None and out.weight.data_ptr() == inp.weight.data_ptr()
+    return out is not None and out.weight is inp.weight
 
 
 def count_parameters(model: nn.Module) -> int:
     """Parameters of the model, a tied matrix counted once."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel()
-    return total
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a shared Parameter once

@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, standalone_mode=True)
     except QRecoverError as e:
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)

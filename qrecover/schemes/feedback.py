@@ -1,0 +1,45 @@
+"""GPTQ's error feedback, for any rounding rule (pure function; shared by schemes that use it).
+
+Columns are quantized in order; each column's rounding error, scaled by the inverse Hessian's Cholesky
+factor, is pushed onto the columns not yet quantized (Frantar et al. 2022, "GPTQ", Algorithm 1, with
+lazy block updates). ``round_fn(j, w) -> (q, codes)`` rounds column ``j``'s values ``w (out,)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, ``(in, in)`` fp32."""
+    h = hessian.double().clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * h.diagonal().mean())
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(hinv, upper=True).float()
+
+
+def error_feedback(weight: torch.Tensor, hessian: torch.Tensor,
+                   round_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   block: int = 128, damp: float = 0.01) -> torch.Tensor:
+    """Quantize ``weight (out, in)`` column by column with error feedback; return codes ``(out, in)`` int64."""
+    w = weight.detach().float().clone()
+    out_f, in_f = w.shape
+    u = inverse_hessian_factor(hessian, damp)
+    codes = torch.empty(out_f, in_f, dtype=torch.long)
+    for b0 in range(0, in_f, block):
+        b1 = min(b0 + block, in_f)
+        wb = w[:, b0:b1].clone()
+        errs = torch.zeros_like(wb)
+        ub = u[b0:b1, b0:b1]
+        for k in range(b1 - b0):
+            q, c = round_fn(b0 + k, wb[:, k])
+            codes[:, b0 + k] = c
+            e = (wb[:, k] - q) / ub[k, k]
+            wb[:, k + 1:] -= e.unsqueeze(1) * ub[k, k + 1:].unsqueeze(0)
+            errs[:, k] = e
+        w[:, b1:] -= errs @ u[b0:b1, b1:]  # the block's errors onto every later column at once
+    return codes

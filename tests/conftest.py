@@ -1,0 +1,71 @@
+"""Shared fixtures: a tiny seeded Llama saved with the real SmolLM2 tokenizer, and one compressed checkpoint of it.
+
+``tiny_model_dir``: a 2-layer, hidden-64 Llama with the real 49152-token vocabulary (tied embedding), so
+the tokenizer, the python-docs calibration text and the embedding code paths are the real ones while a
+full compression takes seconds. ``tiny_ckpt``: that model compressed at 5.0 bpw (every linear layer fits
+at its best width; the smallest reachable whole-model bpw of this model is ~4.2 because the 49152x64
+embedding dominates).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIG = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+
+
+def build_tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    from qrecover.models import default_model_dir
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model = build_tiny_model()
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+TINY_CKPT_CFG = dict(bpw=5.0, calib_samples=2, seq_len=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_model_dir, tmp_path_factory) -> Path:
+    from qrecover.api import compress
+    from qrecover.config import CompressConfig
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-5bpw"
+    compress(CompressConfig(model=str(tiny_model_dir), **TINY_CKPT_CFG), out=out, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_model_dir):
+    """The expensive stage of compression for the tiny model (bits 2,3,4, palettize), reused for several budgets."""
+    from qrecover.api import prepare
+    from qrecover.config import CompressConfig
+
+    return prepare(CompressConfig(model=str(tiny_model_dir), bpw=5.0, calib_samples=2, seq_len=64), show_progress=False)

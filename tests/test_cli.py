@@ -1,0 +1,214 @@
+"""Tests for the ``qrecover`` command line, run in-process through ``qrecover.cli.main(argv)``.
+
+Checks: ``--help`` of the app and of every command exits 0 and lists the command's options;
+``compress --json`` on the tiny model prints JSON with the measured bpw and writes a checkpoint that
+``info`` (JSON and table) and ``ppl --json`` (finite perplexity > 1) read; bad input exits with code 2,
+an ``error:`` message naming the problem on stderr and no traceback: missing model, ``--bpw 0``,
+``--bpw -1``, ``--bits 5``, ``--bits x``, an existing ``--out``, an infeasible ``--bpw 1.0``, ``info`` on
+a directory that is not a checkpoint, bad ``ppl`` window counts; and error messages are printed
+verbatim (a path with brackets is not eaten as console markup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+from qrecover.cli import main
+
+COMMANDS = {
+    "compress": ["--bpw", "--uniform", "--model", "--bits", "--scope", "--scheme", "--group-size", "--block-size",
+                 "--embedding-bits", "--allocation", "--calib-data", "--calib-samples", "--seq-len", "--out",
+                 "--overwrite", "--json"],
+    "info": ["--layers", "--json"],
+    "ppl": ["--data", "--windows", "--seq-len", "--json"],
+}
+
+
+def run(argv, capsys):
+    """``(exit code, stdout, stderr)`` of one in-process CLI call."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def flat(s: str) -> str:
+    """Whitespace collapsed: the console wraps long messages."""
+    return " ".join(s.split())
+
+
+def expect_error(argv, capsys, *needles):
+    code, out, err = run(argv, capsys)
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    msg = flat(err)
+    for n in needles:
+        assert n in msg, (n, msg)
+    return msg
+
+
+def test_app_help(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    for c in COMMANDS:
+        assert c in out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_command_help(command, capsys):
+    code, out, err = run([command, "--help"], capsys)
+    assert code == 0, err
+    for opt in COMMANDS[command]:
+        assert opt in out, (command, opt)
+    assert "Examples" in out
+
+
+@pytest.fixture(scope="module")
+def cli_ckpt(tiny_model_dir, tmp_path_factory):
+    """``(out dir, exit code, stdout)`` of one ``compress --json`` run on the tiny model."""
+    out = tmp_path_factory.mktemp("cli") / "ck"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        try:
+            main(["compress", "--model", str(tiny_model_dir), "--bpw", "5", "--calib-samples", "2", "--seq-len", "64",
+                  "--out", str(out), "--json"])
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    return out, code, buf.getvalue()
+
+
+def test_compress_json(cli_ckpt, tiny_ckpt):
+    """The printed summary is valid JSON (and only JSON on stdout) with the measured bpw of the written files."""
+    out, code, stdout = cli_ckpt
+    assert code == 0
+    assert (out / "qrecover.json").is_file() and (out / "model.safetensors").is_file()
+    summary = json.loads(stdout)
+    man = json.loads((out / "qrecover.json").read_text())
+    assert man["budget"]["bpw"] == 5.0 and man["calibration"]["windows"] == 2 and man["calibration"]["seq_len"] == 64
+    assert summary["measured_bpw"] == man["measured_bpw"]
+    assert summary["out"] == str(out)
+    assert summary["bytes"]["total"] == man["bytes"]["total"]
+    assert 4.2 < summary["measured_bpw"]["model"] <= 5.0
+    # the same configuration through the API gives the same bytes (the pipeline is deterministic)
+    api_man = json.loads((tiny_ckpt / "qrecover.json").read_text())
+    assert man["weights_file"]["sha256"] == api_man["weights_file"]["sha256"]
+
+
+def test_info_json(cli_ckpt, capsys):
+    out = cli_ckpt[0]
+    code, stdout, err = run(["info", out, "--json"], capsys)
+    assert code == 0, err
+    m = json.loads(stdout)
+    assert m == json.loads((out / "qrecover.json").read_text())
+
+
+def test_info_table(cli_ckpt, capsys):
+    out = cli_ckpt[0]
+    man = json.loads((out / "qrecover.json").read_text())
+    code, stdout, err = run(["info", out, "--layers"], capsys)
+    assert code == 0, err
+    text = flat(err + stdout)
+    assert "measured bpw" in text and f"{man['measured_bpw']['model']:.4f}" in text
+    assert "LlamaForCausalLM" in text
+    for name in man["layers"]:  # --layers lists every layer, under its full name (q/k/v/o differ at the end)
+        assert name in text, name
+
+
+def test_ppl_json(cli_ckpt, capsys):
+    out = cli_ckpt[0]
+    code, stdout, err = run(["ppl", out, "--windows", "2", "--seq-len", "32", "--json"], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    assert math.isfinite(r["ppl"]) and r["ppl"] > 1.0
+    assert r["tokens"] == 2 * 31 and r["kind"] == "qrecover"
+    assert r["measured_bpw"]["model"] <= 5.0
+
+
+def test_ppl_original_model(tiny_model_dir, capsys):
+    code, stdout, err = run(["ppl", tiny_model_dir, "--windows", "1", "--seq-len", "16", "--json"], capsys)
+    assert code == 0, err
+    r = json.loads(stdout)
+    assert r["kind"] == "hf" and math.isfinite(r["ppl"]) and r["ppl"] > 1.0
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+
+def compress_args(model, out, *extra):
+    return ["compress", "--model", model, "--calib-samples", "2", "--seq-len", "64", "--out", out, *extra]
+
+
+def test_missing_model(tmp_path, capsys):
+    expect_error(compress_args(tmp_path / "nope", tmp_path / "o", "--bpw", "5"), capsys, "error:", "does not exist")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("bpw", ["0", "-1"])
+def test_bpw_not_positive(bpw, tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", bpw), capsys, "error:", f"--bpw {float(bpw)}",
+                 "must be positive")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bpw_not_a_number(tiny_model_dir, tmp_path, capsys):
+    code, _, err = run(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "abc"), capsys)
+    assert code == 2 and "Traceback" not in err and "Invalid value for '--bpw'" in flat(err)
+
+
+def test_bits_unsupported(tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "5", "--bits", "5"), capsys,
+                 "error:", "does not support bits=5")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bits_not_integers(tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "5", "--bits", "x"), capsys,
+                 "error:", "--bits 'x'", "comma-separated integers")
+
+
+def test_existing_out(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "o").mkdir()
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "5"), capsys, "error:", "already exists",
+                 "--overwrite")
+
+
+def test_infeasible_bpw(tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "1.0"), capsys, "error:", "--bpw 1.0",
+                 "smallest", "largest")
+    assert not (tmp_path / "o").exists()
+
+
+def test_info_not_a_checkpoint(tmp_path, capsys):
+    expect_error(["info", tmp_path], capsys, "error:", "not a qrecover checkpoint")
+
+
+def test_ppl_bad_windows(tmp_path, capsys):
+    expect_error(["ppl", tmp_path, "--windows", "0"], capsys, "error:", "--windows 0")
+
+
+def test_error_message_printed_verbatim(tmp_path, capsys):
+    """Paths are user data: ``[ck]`` in a directory name must reach the user, not be parsed as console markup."""
+    d = tmp_path / "run[ck]"
+    d.mkdir()
+    msg = expect_error(["info", d], capsys, "error:", "not a qrecover checkpoint")
+    assert "run[ck]" in msg, msg
+
+
+def test_not_a_causal_lm(tiny_model_dir, tmp_path, capsys):
+    """A model type with no causal-LM class (DistilBERT) is refused with a message, not a traceback."""
+    from transformers import AutoTokenizer, DistilBertConfig, DistilBertModel
+
+    d = tmp_path / "distilbert"
+    DistilBertModel(DistilBertConfig(vocab_size=1024, dim=32, n_layers=1, n_heads=2, hidden_dim=64)).save_pretrained(d)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(d)
+    expect_error(compress_args(d, tmp_path / "o", "--bpw", "5"), capsys, "error:", "causal")
+    assert not (tmp_path / "o").exists()
