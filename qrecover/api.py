@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from . import __version__
 from .allocate import Choice, InfeasibleBudget, Plan, allocate, allocate_by_position
-from .calibrate import _progress, gradient_stats, sequential
+from .calibrate import gradient_stats, progress, sequential
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
@@ -135,7 +135,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
             quantize_unit(name, linears[name].weight, st, lambda dw: linear_damage(dw, st["hessian"], g))
 
     sequential(model, windows, on_layer, show_progress)
-    with _progress() as bar:
+    with progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
         hd, fisher = grads["head"], grads["emb_fisher"]
         h_diag = hd["hessian"].diagonal()
@@ -169,6 +169,9 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
     in_scope_emb = cfg.scope == "model"
     emb_labels = _embedding_labels(cfg)
+    supported = get_quantizer(cfg.scheme, **cfg.scheme_params).supported_bits
+    if bad := [b for b in cfg.bits if b not in supported]:
+        raise QRecoverError(f"--bits {','.join(map(str, cfg.bits))}: scheme {cfg.scheme!r} does not support {bad}; choose from {list(supported)}")
     if prepared is None:
         _check_budget_early(cfg)
         prepared = prepare(cfg, show_progress)
@@ -418,7 +421,7 @@ def perplexity(model: nn.Module, tokenizer: Any, source: str = "python-docs", wi
     """Held-out perplexity under the fixed protocol :data:`PPL_PROTOCOL`."""
     data = token_windows(tokenizer, source, "eval", windows, seq_len)
     nll, count = 0.0, 0
-    with _progress() as bar:
+    with progress() as bar:
         task = bar.add_task("perplexity", total=windows, visible=show_progress)
         for w in data:
             logits = model(input_ids=w.unsqueeze(0), use_cache=False).logits[0, :-1].float()

@@ -27,12 +27,13 @@ class _Stop(Exception):
     pass
 
 
-def _progress() -> Progress:
+def progress() -> Progress:
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), transient=False,
+        TimeRemainingColumn(), transient=False, console=Console(stderr=True),  # stderr: `--json` stdout stays clean
     )
 
 
@@ -84,7 +85,7 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
         p.requires_grad_(False)
     emb.weight.requires_grad_(True)  # something must need grad so backward reaches every layer
     try:
-        with _progress() as bar:
+        with progress() as bar:
             task = bar.add_task("calibrate: loss gradients", total=len(windows), visible=show_progress)
             for w in windows:
                 ids = w.unsqueeze(0)
@@ -143,7 +144,7 @@ def sequential(
     hidden = [a[0] if a else kw.pop("hidden_states") for a, kw in captured]
     kwargs = [kw for _, kw in captured]
 
-    with _progress() as bar, torch.no_grad():
+    with progress() as bar, torch.no_grad():
         task = bar.add_task("calibrate + quantize: decoder layers", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             lins = linear_layers(layer, prefix=f"{prefix}.{i}.")

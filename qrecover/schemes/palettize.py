@@ -157,7 +157,7 @@ class Palettize(Quantizer):
 
         def round_fn(j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             blk = j // c
-            code = torch.searchsorted(bounds[:, blk].contiguous(), w.unsqueeze(1)).squeeze(1)
+            code = torch.searchsorted(bounds[:, blk].contiguous(), w.unsqueeze(1).contiguous()).squeeze(1)
             return lut_rows[:, blk].gather(1, code.unsqueeze(1)).squeeze(1), code
 
         return error_feedback(weight, hessian, round_fn)
