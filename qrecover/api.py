@@ -60,6 +60,14 @@ _EMB_CANDS = [
 ]
 
 
+def _fits(c: Candidate, shape: tuple[int, int]) -> bool:
+    try:
+        c.quantizer.check(shape, c.bits)
+        return True
+    except QRecoverError:
+        return False
+
+
 def _embedding_labels(cfg: CompressConfig) -> list[str]:
     mode = cfg.embedding_bits
     if mode == "auto" and (cfg.scope != "model" or cfg.bpw is None):
@@ -105,7 +113,9 @@ def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
     for c in lin_cands:
         for m in linears.values():
             c.quantizer.check(tuple(m.weight.shape), c.bits)
-    emb_cands = list(_EMB_CANDS)
+    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg) and _fits(c, tuple(emb.weight.shape))]
+    if not emb_cands:
+        raise QRecoverError(f"no embedding encoding allowed by --embedding-bits {cfg.embedding_bits} fits shape {tuple(emb.weight.shape)}")
     units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": lin_cands} for n, m in linears.items()}
     units[emb_name] = {"kind": "embedding", "module": emb, "cands": emb_cands, "tied": tied}
     untied_head = head is not None and not tied
@@ -176,8 +186,15 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         _check_budget_early(cfg)
         prepared = prepare(cfg, show_progress)
     p = prepared
-    if sorted(c.bits for c in _linear_candidates(cfg)) != sorted(c.bits for c in _linear_candidates(p.cfg)) or cfg.scheme != p.cfg.scheme:
-        raise QRecoverError(f"prepared candidates are for {p.cfg.scheme} bits {p.cfg.bits}, not {cfg.scheme} bits {cfg.bits}")
+    same = ("model", "scheme", "scheme_params", "calib_data", "calib_samples", "seq_len")
+    if sorted(cfg.bits) != sorted(p.cfg.bits) or any(getattr(cfg, k) != getattr(p.cfg, k) for k in same):
+        raise QRecoverError(
+            f"the prepared candidates were made with {({k: getattr(p.cfg, k) for k in (*same, 'bits')})}; "
+            f"this config asks for {({k: getattr(cfg, k) for k in (*same, 'bits')})}: prepare again"
+        )
+    have = {c.label for n, u in p.units.items() if u["kind"] != "linear" for c in u["cands"]}
+    if missing := [lb for lb in emb_labels if lb not in have and any(lb == c.label for c in _EMB_CANDS if _fits(c, tuple(p.model.get_input_embeddings().weight.shape)))]:
+        raise QRecoverError(f"the prepared candidates lack embedding encodings {missing}; prepare with --embedding-bits auto")
     remainder_bytes = sum(v.numel() * 2 for v in p.remainder.values())  # stored as 16-bit
 
     # the choices the allocator may make: every linear candidate; the embedding's allowed widths
@@ -274,13 +291,16 @@ def _check_budget_early(cfg: CompressConfig) -> None:
     path, kind = resolve(cfg.model)
     if kind not in ("hf", "default"):
         return  # a GGUF is checked after loading
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except ValueError as e:
+        raise QRecoverError(f"{str(path)!r} is not a causal language model: {e}") from None
     layers = decoder_layers(model)
     lin = [m for l in layers for m in linear_layers(l).values()]
     emb = model.get_input_embeddings()
     cands = _linear_candidates(cfg)
-    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg)]
+    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg) and _fits(c, tuple(emb.weight.shape))]
     sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in cands] for m in lin]
     n_lin = sum(m.weight.numel() for m in lin)
     if cfg.scope == "model":

@@ -105,11 +105,16 @@ def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
         digest, name = sha256_file(path), path.stem
     else:
         config = AutoConfig.from_pretrained(path)
+        arch = getattr(config, "architectures", None)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
         except ValueError as e:
-            arch = getattr(config, "architectures", None)
             raise QRecoverError(f"{str(path)!r} is not a causal language model ({arch}): {e}") from None
+        if loading.get("missing_keys"):  # e.g. an encoder saved without an LM head: the head would be random
+            raise QRecoverError(
+                f"{str(path)!r} ({arch}) is not a causal language model checkpoint: its weights lack "
+                f"{sorted(loading['missing_keys'])[:3]}; pass a model saved with its causal-LM head"
+            )
         tok = AutoTokenizer.from_pretrained(path)
         weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
         digest = sha256_files(weights) if weights else "unknown"

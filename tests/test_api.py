@@ -131,7 +131,7 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
     assert set(layers) == linear_names | {"model.embed_tokens"}
     for n, info in layers.items():
         assert {"kind", "scheme", "bits", "params", "shape", "tensors", "nbytes", "bpw", "damage", "label"} <= set(info)
-        assert info["label"] == f"{info['scheme']}:{info['bits']}"
+        assert info["label"].split("/")[0] == f"{info['scheme']}:{info['bits']}"  # e.g. blockwise:4/b32
         assert list(model.get_submodule(n).weight.shape) == info["shape"]
         assert info["nbytes"] == qrecover.schemes.get_quantizer(info["scheme"], **info["params"]).nbytes(tuple(info["shape"]), info["bits"])
         assert info["bpw"] == pytest.approx(8 * info["nbytes"] / math.prod(info["shape"]))
@@ -139,7 +139,7 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
     assert emb["kind"] == "embedding" and emb["tied_to"] == "lm_head"
     for n in linear_names:
         assert layers[n]["kind"] == "linear" and layers[n]["scheme"] == "palettize"
-        assert layers[n]["params"] == {"group_size": 16, "block_size": None, "weighted": True, "iters": 30}
+        assert layers[n]["params"] == qrecover.schemes.get_quantizer("palettize").params  # the defaults
         assert layers[n]["bits"] in (2, 3, 4)
 
     table = m["sensitivity"]["table"]
@@ -150,8 +150,9 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
         assert all(math.isfinite(v) and v >= 0 for v in d.values())
         assert d["palettize:2"] > d["palettize:4"], (n, d)  # fewer bits: more predicted damage
         assert layers[n]["damage"] == d[layers[n]["label"]]
-    assert set(table["model.embed_tokens"]) == {"palettize:4", "blockwise:8"}
-    assert table["model.embed_tokens"]["palettize:4"] > table["model.embed_tokens"]["blockwise:8"]
+    emb_table = table["model.embed_tokens"]
+    assert set(emb_table) == {c.label for c in api._EMB_CANDS} >= {"palettize:4", "blockwise:8"}
+    assert all(emb_table[k] > emb_table["blockwise:8"] for k in emb_table if k != "blockwise:8")  # 4 < 8 bits
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(sum(v["damage"] for v in layers.values()))
     assert set(m["remainder"]) == {k for k, _ in model.named_parameters() if "norm" in k}
 
@@ -159,7 +160,8 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
 def test_measured_bpw_within_budget(manifest):
     assert manifest["measured_bpw"]["model"] <= manifest["budget"]["bpw"]
     # 5.0 bpw covers every linear layer's best width but not the 8-bit embedding (~8.1 bpw alone)
-    assert manifest["layers"]["model.embed_tokens"]["label"] == "palettize:4"
+    emb = manifest["layers"]["model.embed_tokens"]
+    assert emb["bits"] == 4 and emb["label"] != "blockwise:8"
 
 
 def test_byte_accounting(tiny_ckpt, manifest):
@@ -207,7 +209,8 @@ def test_load_weights_close_to_original(loaded, manifest):
         w = orig.get_submodule(n).weight.detach()
         deq = loaded.get_submodule(n).dequantize()
         rel = float(((w - deq) ** 2).sum() / (w**2).sum())
-        assert rel < {2: 0.15, 3: 0.05, 4: 0.02, 8: 1e-4}[info["bits"]], (n, info["label"], rel)
+        # (error feedback trades some weight error for less output error, hence not the Lloyd-Max values)
+        assert rel < {2: 0.2, 3: 0.07, 4: 0.03, 8: 1e-4}[info["bits"]], (n, info["label"], rel)
 
 
 def test_load_logits_equal_reference(loaded, manifest, tiny_model_dir, tokenizer):
@@ -300,7 +303,8 @@ def test_model_scope_budget_between_extremes(tiny_model_dir, tiny_prepared, tmp_
     assert m["measured_bpw"]["model"] <= bpw
     assert m["bytes"]["total"] <= math.floor(bpw * n_params / 8)
     bits = {v["bits"] for v in m["layers"].values() if v["kind"] == "linear"}
-    assert len(bits) > 1, bits
+    if allocation == "sensitivity":  # (position may legitimately step every linear layer to 2 bits first)
+        assert len(bits) > 1, bits
     assert m["budget"]["allocation"] == allocation
     per = file_tensor_bytes(tmp_path / allocation / "model.safetensors")
     assert m["measured_bpw"]["model"] == 8 * sum(per.values()) / n_params
@@ -365,7 +369,7 @@ def test_bpw_must_be_positive(bpw):
 
 
 def test_unsupported_bits(tiny_model_dir, tmp_path):
-    with pytest.raises(QRecoverError, match=r"does not support bits=5.*\[2, 3, 4, 6, 8\]"):
+    with pytest.raises(QRecoverError, match=r"does not support (bits=)?\[?5.*\[2, 3, 4, 6, 8\]"):
         compress(cfg(tiny_model_dir, bpw=5.0, bits=[5]), out=tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
 
@@ -373,7 +377,7 @@ def test_unsupported_bits(tiny_model_dir, tmp_path):
 def test_unsupported_bits_reported_before_budget(tiny_model_dir, tmp_path):
     """An unsupported width is the error to report, not a budget computed from sizes of a width that does not
     exist (which would advise "allow lower --bits")."""
-    with pytest.raises(QRecoverError, match=r"does not support bits=5"):
+    with pytest.raises(QRecoverError, match=r"does not support (bits=)?\[?5"):
         compress(cfg(tiny_model_dir, bpw=3.0, scope="linear", bits=[5]), out=tmp_path / "x", show_progress=False)
 
 
@@ -416,17 +420,31 @@ def test_not_a_causal_lm_distilbert(tiny_model_dir, tmp_path):
 
 def test_not_a_causal_lm_bert_encoder(tiny_model_dir, tmp_path):
     """A saved BertModel (a bidirectional encoder without an LM head) is not a causal LM; transformers would
-    build a BertLMHeadModel around it with a randomly initialised head, which must be refused."""
+    build a BertLMHeadModel around it with a randomly initialised head, which must be refused as such."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     d = tmp_path / "bert"
-    bert = BertModel(BertConfig(vocab_size=TINY_CONFIG["vocab_size"], hidden_size=16, num_hidden_layers=1,
-                                num_attention_heads=2, intermediate_size=32))
+    bert = BertModel(BertConfig(vocab_size=TINY_CONFIG["vocab_size"], hidden_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=128))
     _save_with_tokenizer(bert, d, tiny_model_dir)
-    with pytest.raises(QRecoverError):
-        compress(cfg(d, bpw=None, bits=[4], seq_len=16), out=tmp_path / "x", show_progress=False)
+    with pytest.raises(QRecoverError, match="causal"):
+        compress(cfg(d, bpw=None, bits=[4], calib_samples=1, seq_len=16), out=tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_hidden_size_not_a_multiple_of_64(tiny_model_dir, tmp_path):
+    """A Llama with hidden size 96 (every linear shape divisible by the default group of 16 rows) compresses:
+    embedding candidates whose block size does not divide the hidden size are simply not offered."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path / "llama96"
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY_CONFIG, hidden_size=96, intermediate_size=192, num_hidden_layers=1)))
+    _save_with_tokenizer(model, d, tiny_model_dir)
+    m = compress(cfg(d, bpw=None, bits=[4], calib_samples=1, seq_len=16), out=tmp_path / "u4", show_progress=False)
+    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8"
+    assert all(v["bits"] == 4 for v in m["layers"].values() if v["kind"] == "linear")
 
 
 def test_existing_out_dir(tiny_model_dir, tiny_prepared, tmp_path):

@@ -24,7 +24,7 @@ app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: bad input ends with its message and exit code 2, never a traceback."""
     try:
-        app(args=argv, standalone_mode=True)
+        app(args=argv, prog_name="qrecover", standalone_mode=True)
     except QRecoverError as e:
         from rich.console import Console
         from rich.markup import escape

@@ -65,10 +65,12 @@ def compress(
         return
     from collections import Counter
 
+    from rich.markup import escape
+
     mix = Counter(v["label"] for v in manifest["layers"].values() if v["kind"] == "linear")
     emb = {k: v["label"] for k, v in manifest["layers"].items() if v["kind"] != "linear"}
     console.print(
-        f"[bold green]wrote[/] {out}  measured bpw: model {manifest['measured_bpw']['model']:.4f}, "
+        f"[bold green]wrote[/] {escape(str(out))}  measured bpw: model {manifest['measured_bpw']['model']:.4f}, "
         f"linear {manifest['measured_bpw']['linear']:.4f}  ({manifest['bytes']['total']:,} bytes of tensors, "
         f"{manifest['seconds']:.0f} s)\n  linear layers: {dict(sorted(mix.items()))}  embedding: {emb}"
     )

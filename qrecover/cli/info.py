@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from .common import JsonOpt, console, emit_json
@@ -30,7 +31,7 @@ def info(
     if json_out:
         emit_json(m)
         return
-    t = Table(title=f"qrecover checkpoint {path}", show_header=False)
+    t = Table(title=escape(f"qrecover checkpoint {path}"), show_header=False)
     t.add_row("source", f"{m['source']['name']} ({m['source']['kind']}) sha256 {m['source']['weights_sha256'][:12]}…")
     t.add_row("architecture", m["architecture"])
     t.add_row("parameters", f"{m['parameters']['model']:,} (linear {m['parameters']['linear']:,})")
@@ -48,8 +49,7 @@ def info(
     t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens, loss {c['loss']:.3f}")
     t.add_row("created", f"{m.get('created')} in {m.get('seconds')} s with {m['versions']}")
     console.print(t)
-    if layers:
-        lt = Table("layer", "scheme", "bits", "bpw", "bytes", "est. damage")
+    if layers:  # plain aligned lines: full layer names, easy to grep
+        print(f"{'layer':<48} {'scheme':<10} {'bits':>4} {'bpw':>6} {'bytes':>12} {'est. damage':>12}")
         for n, v in m["layers"].items():
-            lt.add_row(n, v["scheme"], str(v["bits"]), f"{v['bpw']:.3f}", f"{v['nbytes']:,}", f"{v['damage']:.2e}")
-        console.print(lt)
+            print(f"{n:<48} {v['scheme']:<10} {v['bits']:>4} {v['bpw']:>6.3f} {v['nbytes']:>12,} {v['damage']:>12.2e}")
