@@ -26,22 +26,27 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.T
 
 def error_feedback(weight: torch.Tensor, hessian: torch.Tensor,
                    round_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   block: int = 128, damp: float = 0.01) -> torch.Tensor:
-    """Quantize ``weight (out, in)`` column by column with error feedback; return codes ``(out, in)`` int64."""
-    w = weight.detach().float().clone()
-    out_f, in_f = w.shape
+                   block: int = 32, damp: float = 0.01) -> torch.Tensor:
+    """Quantize ``weight (out, in)`` column by column with error feedback; return codes ``(out, in)`` int64.
+
+    Works on the transpose ``(in, out)`` so that every column is a contiguous row and the rank-1
+    updates inside a block stream through memory; blocks of 32 columns keep those updates small and
+    leave the bulk of the work to one matrix product per block.
+    """
+    wt = weight.detach().float().T.contiguous()  # (in, out)
+    in_f, out_f = wt.shape
     u = inverse_hessian_factor(hessian, damp)
-    codes = torch.empty(out_f, in_f, dtype=torch.long)
+    codes = torch.empty(in_f, out_f, dtype=torch.long)
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
-        wb = w[:, b0:b1].clone()
-        errs = torch.zeros_like(wb)
+        wb = wt[b0:b1].clone()
+        errs = torch.empty_like(wb)
         ub = u[b0:b1, b0:b1]
         for k in range(b1 - b0):
-            q, c = round_fn(b0 + k, wb[:, k])
-            codes[:, b0 + k] = c
-            e = (wb[:, k] - q) / ub[k, k]
-            wb[:, k + 1:] -= e.unsqueeze(1) * ub[k, k + 1:].unsqueeze(0)
-            errs[:, k] = e
-        w[:, b1:] -= errs @ u[b0:b1, b1:]  # the block's errors onto every later column at once
-    return codes
+            q, c = round_fn(b0 + k, wb[k])
+            codes[b0 + k] = c
+            e = (wb[k] - q) / ub[k, k]
+            wb[k + 1:] -= ub[k, k + 1:].unsqueeze(1) * e.unsqueeze(0)
+            errs[k] = e
+        wt[b1:] -= u[b0:b1, b1:].T @ errs  # the block's errors onto every later column at once
+    return codes.T.contiguous()

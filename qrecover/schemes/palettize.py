@@ -136,31 +136,42 @@ class Palettize(Quantizer):
         else:
             imp = torch.ones(out_f, in_f)
         groups = SortedGroups(_to_groups(weight.detach().float(), g, c), _to_groups(imp, g, c))
-        result = []
-        for bits in bits_list:
-            lut, _ = groups.kmeans(2**bits, self.config.iters)
-            lut16 = lut.half()
-            # assign against the fp16 table actually stored, so dequantize() is exactly lut[code]
-            if self.config.error_feedback and "hessian" in stats:
-                codes = self._assign_with_feedback(weight, stats["hessian"], lut16, g, c)
-            else:
-                codes = _from_groups(groups.codes(groups.edges(lut16)), out_f, in_f, g, c)
-            result.append(self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut16.contiguous()}))
-        return result
+        # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
+        luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
+        if self.config.error_feedback and "hessian" in stats:
+            all_codes = self._assign_with_feedback(weight, stats["hessian"], luts, g, c)
+        else:
+            all_codes = [_from_groups(groups.codes(groups.edges(lut)), out_f, in_f, g, c) for lut in luts]
+        return [self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut.contiguous()})
+                for bits, lut, codes in zip(bits_list, luts, all_codes)]
 
     @staticmethod
-    def _assign_with_feedback(weight: torch.Tensor, hessian: torch.Tensor, lut16: torch.Tensor, g: int, c: int) -> torch.Tensor:
+    def _assign_with_feedback(weight: torch.Tensor, hessian: torch.Tensor, luts: list[torch.Tensor], g: int, c: int
+                              ) -> list[torch.Tensor]:
+        """Codes for every width's tables in one error-feedback pass: the widths are stacked as extra rows
+        (tables padded to the largest with bounds at +inf), so the per-column loop runs once, not per width."""
         out_f, in_f = weight.shape
-        lut = lut16.float().view(out_f // g, in_f // c, -1)  # (row groups, column blocks, K)
-        bounds = ((lut[..., 1:] + lut[..., :-1]) / 2).repeat_interleave(g, dim=0)  # (out, column blocks, K - 1)
-        lut_rows = lut.repeat_interleave(g, dim=0)  # (out, column blocks, K)
+        k_max = max(lut.shape[1] for lut in luts)
+        bounds, tables = [], []
+        for lut in luts:
+            t = lut.float().view(out_f // g, in_f // c, -1)  # (row groups, column blocks, K)
+            b = (t[..., 1:] + t[..., :-1]) / 2
+            pad = k_max - t.shape[-1]
+            b = torch.cat([b, torch.full((*b.shape[:2], pad), float("inf"))], dim=-1)
+            t = torch.cat([t, t[..., -1:].expand(*t.shape[:2], pad)], dim=-1)
+            bounds.append(b.repeat_interleave(g, dim=0))  # (out, column blocks, K_max - 1)
+            tables.append(t.repeat_interleave(g, dim=0))  # (out, column blocks, K_max)
+        bounds_t, tables_t = torch.cat(bounds), torch.cat(tables)
+        bounds_by_block = [bounds_t[:, blk].contiguous() for blk in range(in_f // c)]
+        tables_by_block = [tables_t[:, blk].contiguous() for blk in range(in_f // c)]
 
         def round_fn(j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             blk = j // c
-            code = torch.searchsorted(bounds[:, blk].contiguous(), w.unsqueeze(1).contiguous()).squeeze(1)
-            return lut_rows[:, blk].gather(1, code.unsqueeze(1)).squeeze(1), code
+            code = torch.searchsorted(bounds_by_block[blk], w.unsqueeze(1).contiguous())
+            return tables_by_block[blk].gather(1, code).squeeze(1), code.squeeze(1)
 
-        return error_feedback(weight, hessian, round_fn)
+        codes = error_feedback(weight.repeat(len(luts), 1), hessian, round_fn)
+        return list(codes.split(out_f))
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out_f, in_f = qw.shape
