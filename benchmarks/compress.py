@@ -69,7 +69,8 @@ def main() -> None:
     del model
     gc.collect()
 
-    def run_budgets(label: str, base: CompressConfig, budgets: list[float], allocations=("sensitivity",), pin_emb=None):
+    def run_budgets(label: str, base: CompressConfig, budgets: list[float], allocations=("sensitivity",), pin_emb=None,
+                    extra_bits: tuple = ()):
         t = time.time()
         prep = api.prepare(base, show_progress=False)
         prep_s = time.time() - t
@@ -94,12 +95,22 @@ def main() -> None:
                     ppl_of(qm, tok), prep_s + finalize_s, f"linear {mix}, embedding {emb_label}; prepare {prep_s:.0f} s + {finalize_s:.0f} s")
                 del qm
                 gc.collect()
+        for bits in extra_bits:  # the same calibration, a narrower set of widths (e.g. AFM's 2,4)
+            cfg = CompressConfig(**{**base.to_dict(), "bpw": 3.7, "bits": list(bits)})
+            d = out / f"{label}-bits{''.join(map(str, bits))}-3.7"
+            t = time.time()
+            m = api.compress(cfg, out=d, overwrite=True, show_progress=False, prepared=prep)
+            qm = api.load(d, cache=True)
+            emb_label = next(v["label"] for v in m["layers"].values() if v["kind"] == "embedding")
+            add(f"{label}, sensitivity allocation, --bits {','.join(map(str, bits))}, budget 3.7", m["measured_bpw"]["model"],
+                m["measured_bpw"]["linear"], ppl_of(qm, tok), prep_s + time.time() - t, f"embedding {emb_label}")
+            del qm
         del prep
         gc.collect()
 
     budgets = [float(b) for b in args.budgets.split(",")]
     base = CompressConfig(calib_samples=calib)
-    run_budgets("qrecover palettize (weighted)", base, budgets, allocations=("sensitivity", "position"))
+    run_budgets("qrecover palettize (weighted)", base, budgets, allocations=("sensitivity", "position"), extra_bits=((2, 4), (3, 4)))
     unweighted = CompressConfig(calib_samples=calib, scheme_params={"weighted": False})
     run_budgets("qrecover palettize (unweighted k-means)", unweighted, [3.7])
 

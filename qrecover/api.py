@@ -169,8 +169,8 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
              show_progress: bool = True, prepared: Prepared | None = None, **overrides: Any) -> dict[str, Any]:
     """Compress a model to ``config.bpw`` bits per weight; write a checkpoint to ``out``; return its manifest.
 
-    ``prepared`` (from :func:`prepare` with the same model, scheme, bits and calibration) skips the
-    expensive stage, so one calibration serves several budgets.
+    ``prepared`` (from :func:`prepare` with the same model, scheme and calibration, and bits that include
+    ``config.bits``) skips the expensive stage, so one calibration serves several budgets and bit sets.
     """
     cfg = config or CompressConfig(**overrides)
     t0 = time.time()
@@ -187,7 +187,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         prepared = prepare(cfg, show_progress)
     p = prepared
     same = ("model", "scheme", "scheme_params", "calib_data", "calib_samples", "seq_len")
-    if sorted(cfg.bits) != sorted(p.cfg.bits) or any(getattr(cfg, k) != getattr(p.cfg, k) for k in same):
+    if not set(cfg.bits) <= set(p.cfg.bits) or any(getattr(cfg, k) != getattr(p.cfg, k) for k in same):
         raise QRecoverError(
             f"the prepared candidates were made with {({k: getattr(p.cfg, k) for k in (*same, 'bits')})}; "
             f"this config asks for {({k: getattr(cfg, k) for k in (*same, 'bits')})}: prepare again"
@@ -201,7 +201,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     table: dict[str, list[Choice]] = {}
     picks: dict[str, list[int]] = {}
     for n, u in p.units.items():
-        keep = [k for k, c in enumerate(u["cands"]) if u["kind"] == "linear" or c.label in emb_labels]
+        keep = [k for k, c in enumerate(u["cands"]) if (c.bits in cfg.bits if u["kind"] == "linear" else c.label in emb_labels)]
         picks[n] = keep
         table[n] = [Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1]) for k in keep]
     budget_units = [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb]

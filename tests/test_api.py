@@ -312,9 +312,15 @@ def test_model_scope_budget_between_extremes(tiny_model_dir, tiny_prepared, tmp_
 
 def test_prepared_must_match_candidates(tiny_model_dir, tiny_prepared):
     with pytest.raises(QRecoverError, match="prepared candidates"):
-        compress(cfg(tiny_model_dir, bpw=5.0, bits=[2, 4]), out=None, show_progress=False, prepared=tiny_prepared)
+        compress(cfg(tiny_model_dir, bpw=5.0, bits=[2, 6]), out=None, show_progress=False, prepared=tiny_prepared)
     with pytest.raises(QRecoverError, match="prepared candidates"):
         compress(cfg(tiny_model_dir, bpw=5.0, scheme="blockwise"), out=None, show_progress=False, prepared=tiny_prepared)
+
+
+def test_prepared_subset_of_bits(tiny_model_dir, tiny_prepared):
+    """A narrower set of widths reuses the same calibration: only those widths are chosen."""
+    m = compress(cfg(tiny_model_dir, bpw=4.5, bits=[2, 4]), out=None, show_progress=False, prepared=tiny_prepared)
+    assert {v["bits"] for v in m["layers"].values() if v["kind"] == "linear"} <= {2, 4}
 
 
 def test_prepared_must_match_scheme_params(tiny_model_dir, tiny_prepared):
