@@ -14,7 +14,9 @@ layers differ in how much their errors reach the logits, which is what the bit a
 
 An embedding row ``E[v]`` perturbs the hidden state of every token ``v``:
 ``dL ~ 1/2 * sum_{v,j} F[v, j] * dE[v, j]^2`` with ``F[v, j]`` the mean over tokens of
-``delta_tj^2 * [token_t == v]`` (``delta`` the gradient at the embedding output). A tied output
+``delta_tj^2 * [token_t == v]`` (``delta`` the gradient at the embedding output). The pipeline passes
+``F[v, j] = E_t[delta_tj^2] / vocab``, every row alike: calibration text sees too few of the vocabulary's
+tokens to estimate their frequencies, and an estimate fitted to them under-predicts held-out damage. A tied output
 matrix adds the linear-layer term with ``x`` the final hidden state and ``delta`` the logit gradient.
 """
 

@@ -151,7 +151,8 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
         assert d["palettize:2"] > d["palettize:4"], (n, d)  # fewer bits: more predicted damage
         assert layers[n]["damage"] == d[layers[n]["label"]]
     emb_table = table["model.embed_tokens"]
-    assert set(emb_table) == {c.label for c in api._EMB_CANDS} >= {"palettize:4", "blockwise:8"}
+    fits = {c.label for c in api._EMB_CANDS if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
+    assert set(emb_table) == fits >= {"blockwise:4/b64", "blockwise:4/b32", "blockwise:8"}
     assert all(emb_table[k] > emb_table["blockwise:8"] for k in emb_table if k != "blockwise:8")  # 4 < 8 bits
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(sum(v["damage"] for v in layers.values()))
     assert set(m["remainder"]) == {k for k, _ in model.named_parameters() if "norm" in k}
@@ -295,7 +296,7 @@ def test_model_scope_budget_between_extremes(tiny_model_dir, tiny_prepared, tmp_
     n_params = tiny_prepared.params["model"]
     rem = sum(v.numel() * 2 for v in tiny_prepared.remainder.values())
     lo = sum(min(s.values()) for s in sizes.values()) + rem
-    all4 = sizes["model.embed_tokens"]["palettize:4"] + rem + sum(
+    all4 = sizes["model.embed_tokens"]["blockwise:4/b64"] + rem + sum(
         s["palettize:4"] for n, s in sizes.items() if n != "model.embed_tokens")
     bpw = round(8 * (lo + 0.3 * (all4 - lo)) / n_params, 4)  # 30% of the way from all-2-bit to all-4-bit linears
     m = compress(cfg(tiny_model_dir, bpw=bpw, allocation=allocation), out=tmp_path / allocation,
@@ -358,7 +359,7 @@ def test_infeasible_budget_message(tiny_model_dir, tiny_prepared, tmp_path):
     n = tiny_prepared.params["model"]
     assert lo == pytest.approx(8 * (sum(min(s.values()) for s in sizes.values()) + rem) / n, abs=1e-3)
     assert hi == pytest.approx(8 * (sum(max(s.values()) for s in sizes.values()) + rem) / n, abs=1e-3)
-    assert 4.0 < lo < 4.3 < hi
+    assert 4.0 < lo < 4.4 < hi
 
 
 def test_infeasible_scope_linear(tiny_model_dir, tmp_path):
