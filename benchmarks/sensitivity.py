@@ -36,8 +36,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=16, help="linear layers sampled evenly across the model")
-    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens for the real loss")
+    ap.add_argument("--layers", type=int, default=12, help="linear layers sampled evenly across the model")
+    ap.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens for the real loss")
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
     prep = api.prepare(CompressConfig(), show_progress=False)

@@ -19,7 +19,7 @@ class CompressConfig:
     bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers", )
     scheme: str = doc_field("palettize", "quantizer for the decoder linear layers (a registered scheme name)")
     scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
-    embedding_bits: str = doc_field("auto", "'auto' (the allocator picks among 4-bit palettized, 4-bit block-wise and 8-bit per-channel), '4' or '8'")
+    embedding_bits: str = doc_field("auto", "'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32 and 8-bit per-channel), '4' or '8'")
     allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly by position)")
     calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files")
     calib_samples: int = doc_field(16, "calibration windows")

@@ -29,7 +29,7 @@ def compress(
     scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers: palettize or blockwise."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per scale (default 64)."),
-    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="'auto' (the allocator picks among 4-bit palettized, 4-bit block-wise and 8-bit per-channel), 4 or 8."),
+    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32 and 8-bit per-channel), 4 or 8."),
     allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
     calib_data: str = CalibDataOpt,
     calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration windows."),
