@@ -13,7 +13,7 @@ Rows (all on the same held-out text, same perplexity protocol, same process):
 One calibration (`qrecover.api.prepare`) serves every budget of a scheme; its time is reported once and
 each row adds its own allocation + packing + save time. Peak memory is the process's peak RSS so far.
 
-    python benchmarks/compress.py                # full run (~1 h on 2 CPU cores)
+    python benchmarks/compress.py                # full run (~15 min on 2 CPU cores)
     python benchmarks/compress.py --quick        # fewer windows, for a smoke test
 
 Writes reports/compress.md and reports/compress.json.
