@@ -8,6 +8,7 @@ import typer
 
 from ..errors import QRecoverError
 from . import compress as _compress, info as _info, ppl as _ppl
+from . import gate as _gate, report as _report
 
 app = typer.Typer(
     name="qrecover",
@@ -19,6 +20,8 @@ app = typer.Typer(
 app.command("compress", epilog=_compress.EXAMPLES)(_compress.compress)
 app.command("info", epilog=_info.EXAMPLES)(_info.info)
 app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
+app.command("report", epilog=_report.EXAMPLES)(_report.report)
+app.command("gate", epilog=_gate.EXAMPLES)(_gate.gate)
 
 
 def main(argv: list[str] | None = None) -> None:

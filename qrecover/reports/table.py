@@ -1,0 +1,174 @@
+"""Scores normalised to the unquantized model, in the layout of AFM's Table 10 (appendix F).
+
+Pure functions of :class:`~qrecover.reports.results.Results`: one :class:`Row` per evaluated model
+(label "3.7 bpw quantized" or "3.7 bpw recovered (rank 16)"), one :class:`Cell` per metric.
+
+The ratio is oriented so that **below 1 (100%) always means worse than the unquantized model**:
+
+* higher-is-better metrics (accuracy, win rate): ``ratio = v / b``
+* lower-is-better metrics (perplexity, KL divergence): ``ratio = b / v``
+
+where ``v`` is the run's value and ``b`` the baseline's. Its standard error is propagated to first order,
+treating the two measurements as independent (the relative errors add in quadrature, for either
+orientation)::
+
+    ratio_stderr = ratio * sqrt((s_v / v)**2 + (s_b / b)**2)
+
+and is ``None`` when either stderr is missing. A metric is compared only under identical ``settings``
+(num_fewshot, limit, seq_len, ...): a difference is an error, never a silent comparison, and so is a
+run metric the baseline lacks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import QRecoverError
+from .results import Metric, Results
+
+RATIO_NOTE = ("Each cell is a percentage of the unquantized model's score: value / baseline for "
+              "higher-is-better metrics, baseline / value for lower-is-better ones (perplexity, KL), "
+              "so below 100% always means worse. ± is one standard error of the raw score; the ratio's own "
+              "standard error (first-order propagation) is in report.json as ratio_stderr.")
+
+_KIND_ORDER = {"original": 0, "quantized": 1, "recovered": 2}
+
+
+@dataclass
+class Cell:
+    """One metric of one run, against the baseline. ``ratio`` is a fraction (1.0 = the baseline)."""
+
+    value: float
+    stderr: float | None
+    baseline: float
+    baseline_stderr: float | None
+    ratio: float
+    ratio_stderr: float | None
+    higher_is_better: bool
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.ratio
+
+
+@dataclass
+class Row:
+    """One evaluated model: bpw without and with its adapter counted, and its normalised cells."""
+
+    label: str
+    kind: str
+    model: str
+    source: str | None
+    bpw: float | None  # measured_bpw.model; None for an original without a measured bpw
+    bpw_linear: float | None
+    adapter_rank: int | None
+    adapter_bpw_cost: float | None
+    bpw_with_adapter: float | None  # bpw + adapter_bpw_cost (= bpw without an adapter)
+    cells: dict[str, Cell]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ratio_of(m: Metric, base: Metric, name: str = "metric") -> tuple[float, float | None]:
+    """``(ratio, ratio_stderr)`` of ``m`` against ``base``, oriented so below 1 is worse (see module doc)."""
+    v, b = m.value, base.value
+    if m.higher_is_better:
+        if b == 0:
+            raise QRecoverError(f"metric {name!r}: baseline value is 0, the ratio value/baseline is undefined")
+        ratio = v / b
+    else:
+        if v == 0:
+            raise QRecoverError(f"metric {name!r}: value is 0, the ratio baseline/value of a lower-is-better metric is undefined")
+        ratio = b / v
+    if m.stderr is None or base.stderr is None:
+        return ratio, None
+    # ratio * sqrt((s_v/v)^2 + (s_b/b)^2), written with the nonzero denominator only so a zero score works
+    num, den, s_num, s_den = (v, b, m.stderr, base.stderr) if m.higher_is_better else (b, v, base.stderr, m.stderr)
+    return ratio, math.hypot(s_num / den, num * s_den / den**2)
+
+
+def check_comparable(name: str, m: Metric, base: Metric, run: str, baseline: str) -> None:
+    """Raise unless ``m`` and ``base`` were measured the same way (direction and settings)."""
+    if m.higher_is_better != base.higher_is_better:
+        raise QRecoverError(f"metric {name!r}: higher_is_better is {m.higher_is_better} in {run} "
+                            f"but {base.higher_is_better} in baseline {baseline}")
+    if m.settings != base.settings:
+        diffs = []
+        for k in sorted(set(m.settings) | set(base.settings)):
+            a, c = m.settings.get(k, "<missing>"), base.settings.get(k, "<missing>")
+            if a != c:
+                diffs.append(f"{k}: {a!r} vs {c!r}")
+        raise QRecoverError(f"metric {name!r}: settings differ between {run} and baseline {baseline} "
+                            f"({'; '.join(diffs)}); re-run the evaluation with the same settings")
+
+
+def row_label(run: Results) -> str:
+    """Table-10 style label: ``3.7 bpw quantized``, ``3.7 bpw recovered (rank 16)``, ``unquantized``."""
+    r = run.run
+    if r.measured_bpw is None:
+        head = "unquantized" if r.kind == "original" else r.kind
+        return head
+    bpw = f"{r.measured_bpw.model:.2f} bpw"
+    if r.kind == "recovered":
+        return f"{bpw} recovered (rank {r.adapter.rank})"
+    if r.kind == "original":
+        return f"{bpw} unquantized"
+    return f"{bpw} {r.kind}"
+
+
+def _row(run: Results, baseline: Results) -> Row:
+    cells = {}
+    for name, m in run.metrics.items():
+        if name not in baseline.metrics:
+            raise QRecoverError(f"metric {name!r} of {run.name} is absent from baseline {baseline.name} "
+                                f"(it has {', '.join(sorted(baseline.metrics))}); evaluate the unquantized model on it too")
+        base = baseline.metrics[name]
+        check_comparable(name, m, base, run.name, baseline.name)
+        ratio, ratio_se = ratio_of(m, base, name)
+        cells[name] = Cell(value=m.value, stderr=m.stderr, baseline=base.value, baseline_stderr=base.stderr,
+                           ratio=ratio, ratio_stderr=ratio_se, higher_is_better=m.higher_is_better)
+    r = run.run
+    bpw = None if r.measured_bpw is None else r.measured_bpw.model
+    cost = None if r.adapter is None else r.adapter.bpw_cost
+    return Row(label=row_label(run), kind=r.kind, model=r.model, source=run.source, bpw=bpw,
+               bpw_linear=None if r.measured_bpw is None else r.measured_bpw.linear,
+               adapter_rank=None if r.adapter is None else r.adapter.rank, adapter_bpw_cost=cost,
+               bpw_with_adapter=None if bpw is None else bpw + (cost or 0.0), cells=cells)
+
+
+def sort_key(row: Row) -> tuple:
+    """bpw descending (an unmeasured original first), then original, quantized, recovered, then rank."""
+    return (-(row.bpw if row.bpw is not None else math.inf), _KIND_ORDER[row.kind], row.adapter_rank or 0, row.model)
+
+
+def normalise(runs: Results | Sequence[Results], baseline: Results) -> list[Row]:
+    """Rows of ``runs`` normalised to ``baseline`` (the unquantized model), sorted as in Table 10.
+
+    Each cell's ratio is ``v / b`` for higher-is-better metrics and ``b / v`` for lower-is-better ones
+    (perplexity, KL), so a ratio below 1 (100%) always means worse than the baseline; its stderr is
+    ``ratio * sqrt((s_v/v)^2 + (s_b/b)^2)`` (None if either stderr is missing). Rows are sorted by
+    measured bpw descending, quantized before recovered at equal bpw.
+
+    Raises QRecoverError when a run's metric is absent from the baseline, when its settings or its
+    direction differ from the baseline's, or when the baseline is not an unquantized model.
+    """
+    if isinstance(runs, Results):
+        runs = [runs]
+    if baseline.run.kind != "original":
+        raise QRecoverError(f"baseline {baseline.name} is kind {baseline.run.kind!r}; scores are normalised to the "
+                            "unquantized model, pass its results file (kind 'original') as --baseline")
+    if not runs:
+        raise QRecoverError("no results to report; pass at least one results file")
+    return sorted((_row(r, baseline) for r in runs), key=sort_key)
+
+
+def metric_names(rows: Sequence[Row]) -> list[str]:
+    """The report's columns: every metric of any row, in first-seen order."""
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update(dict.fromkeys(row.cells))
+    return list(names)

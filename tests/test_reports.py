@@ -1,0 +1,392 @@
+"""Tests for :mod:`qrecover.reports` and the ``report`` / ``gate`` commands, on hand-made results files (no model).
+
+Checks: the results schema round-trips (dataclasses <-> dict <-> file) and ``load_results`` names the file
+and the key for a missing key, a wrong type, an unknown schema version, bad JSON and kind/adapter
+mismatches; normalisation against hand-computed numbers, for a higher-is-better metric (v/b) and a
+lower-is-better one (b/v), stderr propagated to first order and null when a stderr is missing; differing
+settings and a metric absent from the baseline are errors naming the metric; rows sorted by bpw
+descending, quantized before recovered, with bpw with and without the adapter; report.md holds the
+table, report.json round-trips, report.html parses and holds the table and (with matplotlib) an inline
+PNG; the gate's exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection,
+missing cells, and ``--noise-aware`` passing a cell that plain mode fails.
+"""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from qrecover.cli import main
+from qrecover.errors import QRecoverError
+from qrecover.reports.gate import gate
+from qrecover.reports.render import write_report
+from qrecover.reports.results import Adapter, MeasuredBpw, Metric, Results, RunInfo, load_results
+from qrecover.reports.table import normalise
+
+FEWSHOT = {"ifeval": {"num_fewshot": 0, "limit": None}, "gsm8k": {"num_fewshot": 5, "limit": None},
+           "ppl": {"data": "python-docs", "windows": 32, "seq_len": 512}}
+HIB = {"ifeval": True, "gsm8k": True, "ppl": False}
+
+
+def results(kind: str, scores: dict, bpw: float | None = None, rank: int | None = None, cost: float = 0.0) -> dict:
+    """A results dict; ``scores`` maps metric -> (value, stderr)."""
+    return {
+        "schema_version": 1,
+        "run": {"model": f"out/{kind}-{bpw}-{rank}", "kind": kind,
+                "measured_bpw": None if bpw is None else {"model": bpw, "linear": bpw - 0.2},
+                "adapter": None if rank is None else {"path": f"out/lora-r{rank}", "rank": rank, "bpw_cost": cost},
+                "manifest_sha256": None if bpw is None else "ab" * 32, "versions": {"qrecover": "0.1.0"}},
+        "metrics": {n: {"value": v, "stderr": s, "higher_is_better": HIB[n], "settings": dict(FEWSHOT[n])}
+                    for n, (v, s) in scores.items()},
+    }
+
+
+BASE = results("original", {"ifeval": (0.80, 0.02), "gsm8k": (0.50, 0.01), "ppl": (10.0, 0.5)})
+Q37 = results("quantized", {"ifeval": (0.72, 0.03), "gsm8k": (0.45, 0.01), "ppl": (12.5, 0.5)}, bpw=3.7)
+R37 = results("recovered", {"ifeval": (0.78, 0.02), "gsm8k": (0.49, None), "ppl": (10.5, 0.5)}, bpw=3.7, rank=16, cost=0.25)
+Q30 = results("quantized", {"ifeval": (0.60, 0.03), "gsm8k": (0.30, 0.01), "ppl": (20.0, 1.0)}, bpw=3.0)
+R30 = results("recovered", {"ifeval": (0.74, 0.03), "gsm8k": (0.44, 0.01), "ppl": (11.0, 0.5)}, bpw=3.0, rank=16, cost=0.25)
+
+
+def write(tmp_path: Path, name: str, d: dict) -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(d))
+    return p
+
+
+def run(argv, capsys):
+    """``(exit code, stdout, stderr)`` of one in-process CLI call."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, " ".join(err.split())
+
+
+# --- schema ------------------------------------------------------------------------------------------
+
+
+def test_schema_round_trip(tmp_path):
+    r = Results(run=RunInfo(model="out/m", kind="recovered", measured_bpw=MeasuredBpw(3.7, 3.5),
+                            adapter=Adapter("out/lora", 16, 0.25), manifest_sha256="00" * 32, versions={"qrecover": "0.1.0"}),
+                metrics={"gsm8k": Metric(0.41, 0.013, True, {"num_fewshot": 5}), "ppl": Metric(11.9, None, False, {"seq_len": 512})})
+    assert Results.from_dict(json.loads(r.to_json())) == r
+    r.save(tmp_path / "r.json")
+    back = load_results(tmp_path / "r.json")
+    assert back == r and back.source == str(tmp_path / "r.json")
+    for d in (BASE, Q37, R37):
+        assert Results.from_dict(d).to_dict() == json.loads(json.dumps(d))
+
+
+def _broken(mutate) -> dict:
+    d = json.loads(json.dumps(R37))
+    mutate(d)
+    return d
+
+
+@pytest.mark.parametrize("mutate, needles", [
+    (lambda d: d["run"].pop("kind"), ["missing key", "run.kind"]),
+    (lambda d: d.pop("metrics"), ["missing key", "metrics"]),
+    (lambda d: d["metrics"]["gsm8k"].pop("settings"), ["missing key", "metrics.gsm8k.settings"]),
+    (lambda d: d.update(schema_version=2), ["schema_version", "is 2", "version 1"]),
+    (lambda d: d["metrics"]["gsm8k"].update(value="0.4"), ["metrics.gsm8k.value", "finite number"]),
+    (lambda d: d["metrics"]["gsm8k"].update(stderr=-1), ["metrics.gsm8k.stderr"]),
+    (lambda d: d["metrics"]["ppl"].update(higher_is_better="no"), ["metrics.ppl.higher_is_better"]),
+    (lambda d: d["run"].update(kind="distilled"), ["run.kind", "distilled"]),
+    (lambda d: d["run"].update(adapter=None), ["run.adapter", "recovered"]),
+    (lambda d: d["run"].update(kind="quantized"), ["run.adapter", "quantized"]),
+    (lambda d: d["run"].update(measured_bpw=None), ["run.measured_bpw", "null"]),
+    (lambda d: d["run"]["adapter"].update(rank=0), ["run.adapter.rank"]),
+    (lambda d: d["run"]["measured_bpw"].update(model=True), ["run.measured_bpw.model"]),
+    (lambda d: d.update(metrics={}), ["metrics", "empty"]),
+    (lambda d: d.update(run=[]), ["'run'", "JSON object"]),
+])
+def test_load_results_errors_name_file_and_key(tmp_path, mutate, needles):
+    p = write(tmp_path, "bad.json", _broken(mutate))
+    with pytest.raises(QRecoverError) as e:
+        load_results(p)
+    msg = str(e.value)
+    assert str(p) in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_load_results_bad_files(tmp_path):
+    with pytest.raises(QRecoverError, match="does not exist"):
+        load_results(tmp_path / "nope.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(QRecoverError, match="not valid JSON"):
+        load_results(tmp_path / "x.json")
+
+
+# --- normalisation -----------------------------------------------------------------------------------
+
+
+def test_normalise_arithmetic():
+    (row,) = normalise(Results.from_dict(Q37), Results.from_dict(BASE))
+    ife, ppl = row.cells["ifeval"], row.cells["ppl"]
+    # higher is better: 0.72 / 0.80; stderr 0.9 * sqrt((0.03/0.72)^2 + (0.02/0.80)^2)
+    assert ife.ratio == pytest.approx(0.9) and ife.percent == pytest.approx(90.0)
+    assert ife.ratio_stderr == pytest.approx(0.043732139211339754)
+    # lower is better: 10.0 / 12.5 (below 100% = worse); stderr 0.8 * sqrt((0.5/12.5)^2 + (0.5/10)^2)
+    assert ppl.ratio == pytest.approx(0.8)
+    assert ppl.ratio_stderr == pytest.approx(0.05122499389946279)
+    assert (ppl.value, ppl.baseline, ppl.baseline_stderr) == (12.5, 10.0, 0.5)
+    # a lower-is-better metric that improved is above 100%
+    better = results("quantized", {"ppl": (8.0, None)}, bpw=3.7)
+    (row,) = normalise(Results.from_dict(better), Results.from_dict(BASE))
+    assert row.cells["ppl"].ratio == pytest.approx(1.25) and row.cells["ppl"].ratio_stderr is None
+
+
+def test_normalise_missing_stderr_and_zero_score():
+    (row,) = normalise(Results.from_dict(R37), Results.from_dict(BASE))
+    assert row.cells["gsm8k"].ratio == pytest.approx(0.98) and row.cells["gsm8k"].ratio_stderr is None
+    zero = results("quantized", {"gsm8k": (0.0, 0.01)}, bpw=2.0)
+    (row,) = normalise(Results.from_dict(zero), Results.from_dict(BASE))
+    # d(v/b)/dv = 1/b at v = 0: stderr 0.01 / 0.5
+    assert row.cells["gsm8k"].ratio == 0.0 and row.cells["gsm8k"].ratio_stderr == pytest.approx(0.02)
+    zero_base = results("original", {"gsm8k": (0.0, 0.01)})
+    with pytest.raises(QRecoverError, match="gsm8k.*baseline value is 0"):
+        normalise(Results.from_dict(zero), Results.from_dict(zero_base))
+
+
+def test_settings_mismatch_is_an_error():
+    d = json.loads(json.dumps(Q37))
+    d["metrics"]["gsm8k"]["settings"].update(num_fewshot=8, limit=100)
+    with pytest.raises(QRecoverError) as e:
+        normalise(Results.from_dict(d, source="q.json"), Results.from_dict(BASE, source="base.json"))
+    msg = str(e.value)
+    for n in ("'gsm8k'", "q.json", "base.json", "num_fewshot: 8 vs 5", "limit: 100 vs None"):
+        assert n in msg, (n, msg)
+    d = json.loads(json.dumps(Q37))
+    d["metrics"]["ppl"]["settings"].pop("seq_len")
+    with pytest.raises(QRecoverError, match="seq_len: '<missing>' vs 512"):
+        normalise(Results.from_dict(d), Results.from_dict(BASE))
+    d = json.loads(json.dumps(Q37))
+    d["metrics"]["ppl"]["higher_is_better"] = True
+    with pytest.raises(QRecoverError, match="'ppl': higher_is_better"):
+        normalise(Results.from_dict(d), Results.from_dict(BASE))
+
+
+def test_metric_missing_from_baseline_and_bad_baseline():
+    d = json.loads(json.dumps(Q37))
+    d["metrics"]["alpacaeval"] = {"value": 0.3, "stderr": None, "higher_is_better": True, "settings": {}}
+    with pytest.raises(QRecoverError, match="'alpacaeval'.*absent from baseline"):
+        normalise(Results.from_dict(d), Results.from_dict(BASE))
+    with pytest.raises(QRecoverError, match="kind 'quantized'"):
+        normalise(Results.from_dict(Q37), Results.from_dict(Q37))
+
+
+def test_row_order_labels_and_adapter_bpw():
+    runs = [Results.from_dict(d) for d in (R30, Q37, R37, Q30)]
+    rows = normalise(runs, Results.from_dict(BASE))
+    assert [r.label for r in rows] == ["3.70 bpw quantized", "3.70 bpw recovered (rank 16)",
+                                       "3.00 bpw quantized", "3.00 bpw recovered (rank 16)"]
+    assert [(r.bpw, r.bpw_with_adapter) for r in rows] == [(3.7, 3.7), (3.7, pytest.approx(3.95)),
+                                                          (3.0, 3.0), (3.0, pytest.approx(3.25))]
+    assert rows[1].adapter_rank == 16 and rows[1].adapter_bpw_cost == 0.25 and rows[0].adapter_rank is None
+    assert rows[0].bpw_linear == pytest.approx(3.5)
+
+
+# --- rendering ---------------------------------------------------------------------------------------
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.cells, self.imgs, self._in_cell = [], [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag in ("td", "th"):
+            self._in_cell, self._buf = True, ""
+        if tag == "img":
+            self.imgs.append(dict(attrs).get("src", ""))
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self._in_cell = False
+            self.cells.append(self._buf)
+
+    def handle_data(self, data):
+        if self._in_cell:
+            self._buf += data
+
+
+@pytest.fixture
+def report_dir(tmp_path):
+    rows = normalise([Results.from_dict(d) for d in (Q37, R37, Q30, R30)], Results.from_dict(BASE, source="base.json"))
+    out = tmp_path / "rep"
+    rep = write_report(rows, Results.from_dict(BASE, source="base.json"), out)
+    return out, rep
+
+
+def test_report_files(report_dir):
+    out, rep = report_dir
+    assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.json", "report.md"]
+    md = (out / "report.md").read_text()
+    assert "| bpw | bpw with adapter | model | ifeval | gsm8k | ppl |" in md
+    assert "| 3.70 | 3.70 | quantized | 90.0% (0.72 ± 0.03) | 90.0% (0.45 ± 0.01) | 80.0% (12.5 ± 0.5) |" in md
+    assert "| 3.70 | 3.95 | recovered (rank 16) | 97.5% (0.78 ± 0.02) | 98.0% (0.49) |" in md
+    assert "below 100% always means worse" in md
+    back = json.loads((out / "report.json").read_text())
+    assert back == json.loads(json.dumps(rep))
+    assert back["metrics"] == ["ifeval", "gsm8k", "ppl"]
+    c = back["rows"][0]["cells"]["ppl"]
+    assert c["ratio"] == pytest.approx(0.8) and c["ratio_stderr"] == pytest.approx(0.05122499389946279)
+    assert (c["value"], c["baseline"]) == (12.5, 10.0)
+
+
+def test_report_html(report_dir):
+    out, _ = report_dir
+    page = _Page()
+    page.feed((out / "report.html").read_text())
+    page.close()
+    assert "table" in page.tags
+    assert "97.5% (0.78 ± 0.02)" in page.cells and "recovered (rank 16)" in page.cells
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not page.imgs and "matplotlib is not installed" in (out / "report.html").read_text()
+        return
+    assert len(page.imgs) == 1 and page.imgs[0].startswith("data:image/png;base64,iVBOR")
+
+
+def test_report_overwrite_is_refused(report_dir):
+    out, _ = report_dir
+    rows = normalise(Results.from_dict(Q37), Results.from_dict(BASE))
+    with pytest.raises(QRecoverError, match="already exists"):
+        write_report(rows, Results.from_dict(BASE), out)
+
+
+# --- gate (pure) -------------------------------------------------------------------------------------
+
+
+def cell(ratio, se):
+    return {"ratio": ratio, "ratio_stderr": se}
+
+
+REPORT = {
+    "metrics": ["ifeval", "gsm8k"],
+    "rows": [
+        {"label": "3.70 bpw quantized", "kind": "quantized", "cells": {"ifeval": cell(0.90, 0.02), "gsm8k": cell(0.95, None)}},
+        {"label": "3.70 bpw recovered (rank 16)", "kind": "recovered", "cells": {"ifeval": cell(0.975, 0.01), "gsm8k": cell(0.99, None)}},
+    ],
+}
+
+
+def test_gate_pure():
+    r = gate(REPORT, 0.97)
+    assert r.passed and r.rows == "recovered" and len(r.cells) == 2
+    assert {c.row for c in r.cells} == {"3.70 bpw recovered (rank 16)"}
+    r = gate(REPORT, 0.98)
+    assert not r.passed and [(c.metric, c.passed) for c in r.cells] == [("ifeval", False), ("gsm8k", True)]
+    r = gate(REPORT, 0.98, noise_aware=True)  # 0.975 + 0.01 >= 0.98
+    assert r.passed and r.cells[0].note == "within 1 stderr"
+    assert not gate(REPORT, 0.995, noise_aware=True).passed  # gsm8k has no stderr: compared plainly
+    assert gate(REPORT, 0.98, {"ifeval": 0.97}).passed
+    assert not gate(REPORT, 0.97, rows="all").passed and len(gate(REPORT, 0.97, rows="all").cells) == 4
+    assert gate(REPORT, 0.89, rows="quantized").passed
+    quantized_only = {"metrics": REPORT["metrics"], "rows": REPORT["rows"][:1]}
+    assert gate(quantized_only, 0.90).rows == "all"
+    with pytest.raises(QRecoverError, match="no recovered rows"):
+        gate(quantized_only, 0.9, rows="recovered")
+    missing = {"metrics": ["ifeval", "gsm8k"], "rows": [{"label": "x", "kind": "recovered", "cells": {"ifeval": cell(1.0, None)}}]}
+    r = gate(missing, 0.9)
+    assert not r.passed and r.failed[0].metric == "gsm8k" and r.failed[0].note == "not measured"
+    edge = {"metrics": ["gsm8k"], "rows": [{"label": "x", "kind": "recovered", "cells": {"gsm8k": cell(0.485 / 0.5, None)}}]}
+    assert gate(edge, 0.97).passed  # a ratio equal to its threshold passes, float rounding aside
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+
+def test_cli_report_then_gate(tmp_path, capsys):
+    files = [write(tmp_path, f"{n}.json", d) for n, d in (("q37", Q37), ("r37", R37), ("q30", Q30), ("r30", R30))]
+    base = write(tmp_path, "base.json", BASE)
+    out = tmp_path / "reports"
+    code, stdout, err = run(["report", *files, "--baseline", base, "--out", out, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout) == json.loads((out / "report.json").read_text())
+    code, _, err = run(["report", *files, "--baseline", base, "--out", out], capsys)
+    assert code == 2 and "already exists" in err
+    code, _, err = run(["report", *files, "--baseline", base, "--out", out, "--overwrite"], capsys)
+    assert code == 0 and "wrote" in err and "report.html" in err
+    # recovered rows: ifeval 97.5% / 92.5%, gsm8k 98% / 88%, ppl 95.2% / 90.9%
+    code, stdout, err = run(["gate", out / "report.json", "--min-ratio", "0.85", "--json"], capsys)
+    assert code == 0, err
+    g = json.loads(stdout)
+    assert g["passed"] and len(g["cells"]) == 6 and "6/6 cells passed" in err
+    code, stdout, err = run(["gate", out / "report.json", "--min-ratio", "0.9", "--json"], capsys)
+    assert code == 1 and "FAIL" in err and not json.loads(stdout)["passed"]
+    code, _, err = run(["gate", out / "report.json", "--min-ratio", "0.85", "--rows", "all"], capsys)
+    assert code == 1  # the 3.0 bpw quantized model keeps 60% of gsm8k
+
+
+def test_cli_report_errors(tmp_path, capsys):
+    d = json.loads(json.dumps(Q37))
+    d["metrics"]["gsm8k"]["settings"]["num_fewshot"] = 8
+    q, base = write(tmp_path, "q.json", d), write(tmp_path, "base.json", BASE)
+    code, _, err = run(["report", q, "--baseline", base, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "settings differ" in err and "gsm8k" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    code, _, err = run(["report", tmp_path / "nope.json", "--baseline", base, "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.fixture
+def report_file(tmp_path):
+    return write(tmp_path, "report.json", REPORT)
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--min-ratio", "0.97"], 0),
+    (["--min-ratio", "0.98"], 1),
+    (["--min-ratio", "0.98", "--noise-aware"], 0),
+    (["--min-ratio", "0.98", "--metric", "ifeval=0.97"], 0),
+    (["--min-ratio", "0.97", "--metric", "gsm8k=0.995"], 1),
+    (["--min-ratio", "0.97", "--rows", "all"], 1),
+    (["--min-ratio", "0.89", "--rows", "quantized"], 0),
+])
+def test_cli_gate_exit_codes(report_file, capsys, args, code):
+    got, _, err = run(["gate", report_file, *args], capsys)
+    assert got == code, err
+    assert "ifeval" in err and ("FAIL" in err) == (code == 1)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--min-ratio", "0"], "(0, 2]"),
+    (["--min-ratio", "2.5"], "(0, 2]"),
+    (["--min-ratio", "0.9", "--metric", "ifeval=3"], "(0, 2]"),
+    (["--min-ratio", "0.9", "--metric", "ifeval:0.9"], "NAME=FRACTION"),
+    (["--min-ratio", "0.9", "--metric", "ifeval=high"], "NAME=FRACTION"),
+    (["--min-ratio", "0.9", "--metric", "mmlu=0.9"], "mmlu"),
+    (["--min-ratio", "0.9", "--rows", "some"], "--rows"),
+    ([], "--min-ratio"),  # typer's own usage error
+])
+def test_cli_gate_unusable_input(report_file, capsys, args, needle):
+    code, out, err = run(["gate", report_file, *args], capsys)
+    assert code == 2 and needle in err and "Traceback" not in err + out
+
+
+def test_cli_gate_bad_files(tmp_path, capsys):
+    code, _, err = run(["gate", tmp_path / "missing.json", "--min-ratio", "0.9"], capsys)
+    assert code == 2 and "does not exist" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    code, _, err = run(["gate", bad, "--min-ratio", "0.9"], capsys)
+    assert code == 2 and "not valid JSON" in err
+    code, _, err = run(["gate", write(tmp_path, "r.json", {"rows": "x"}), "--min-ratio", "0.9"], capsys)
+    assert code == 2 and "not a qrecover report" in err
+
+
+def test_help_lists_options(capsys):
+    for cmd, opts in (("report", ["--baseline", "--out", "--overwrite", "--json"]),
+                      ("gate", ["--min-ratio", "--metric", "--rows", "--noise-aware", "--json"])):
+        code, out, _ = run([cmd, "--help"], capsys)
+        assert code == 0 and "Examples" in out and all(o in out for o in opts), cmd
