@@ -45,13 +45,13 @@ def peak_rss_mb() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="4 calibration and 8 evaluation windows (default: 16 and 16)")
+    ap.add_argument("--quick", action="store_true", help="4 calibration and 8 evaluation windows (default: 32 and 16)")
     ap.add_argument("--budgets", default="4.0,3.7,3.5")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
     torch.manual_seed(0)
-    calib, windows = (4, 8) if args.quick else (16, 16)
+    calib, windows = (4, 8) if args.quick else (32, 16)
     out, rows = Path(args.out), []
 
     def ppl_of(model, tok) -> dict:

@@ -22,7 +22,7 @@ class CompressConfig:
     embedding_bits: str = doc_field("auto", "'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32 and 8-bit per-channel), '4' or '8'")
     allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly by position)")
     calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files")
-    calib_samples: int = doc_field(16, "calibration windows")
+    calib_samples: int = doc_field(32, "calibration windows (32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw)")
     seq_len: int = doc_field(512, "tokens per calibration window")
     seed: int = doc_field(0, "random seed (the pipeline is deterministic; recorded for provenance)")
 

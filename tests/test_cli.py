@@ -213,3 +213,18 @@ def test_not_a_causal_lm(tiny_model_dir, tmp_path, capsys):
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(d)
     expect_error(compress_args(d, tmp_path / "o", "--bpw", "5"), capsys, "error:", "causal")
     assert not (tmp_path / "o").exists()
+
+
+def test_single_width_without_bpw_is_uniform(tiny_model_dir, tmp_path, capsys):
+    """`--bits 4` and no `--bpw` gives a uniform model (every linear layer at 4 bits), as the issue asks;
+    `--uniform` with `--bpw` is a contradiction (exit 2)."""
+    out = tmp_path / "u4"
+    code, stdout, err = run(["compress", "--model", str(tiny_model_dir), "--bits", "4", "--calib-samples", "1",
+                             "--seq-len", "32", "--out", str(out), "--json"], capsys)
+    assert code == 0, err
+    man = json.loads((out / "qrecover.json").read_text())
+    assert man["budget"]["bpw"] is None
+    assert {v["bits"] for v in man["layers"].values() if v["kind"] == "linear"} == {4}
+    code, _, err = run(["compress", "--model", str(tiny_model_dir), "--uniform", "--bpw", "5", "--bits", "4",
+                        "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "contradict" in err

@@ -15,14 +15,16 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.5 --bits 2,4 --out out/afm35
 
+  qrecover compress --bits 4                        # uniform: every linear layer palettized at 4 bits
+
 
   qrecover compress --model ./my-llama --bpw 3.7 --scope linear --embedding-bits 8 --json
 """
 
 
 def compress(
-    bpw: Optional[float] = typer.Option(3.7, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk."),
-    uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits."),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw a single --bits width gives a uniform model)."),
+    uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits (the same as giving one --bits width and no --bpw)."),
     model: Optional[str] = ModelArg,
     bits: str = typer.Option("2,3,4", "--bits", help="Candidate widths for the decoder linear layers, e.g. 2,4 (AFM) or 2,3,4."),
     scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
@@ -32,7 +34,7 @@ def compress(
     embedding_bits: str = typer.Option("auto", "--embedding-bits", help="'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32 and 8-bit per-channel), 4 or 8."),
     allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
     calib_data: str = CalibDataOpt,
-    calib_samples: int = typer.Option(16, "--calib-samples", help="Calibration windows."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: out/MODEL-BPWbpw)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),
@@ -41,6 +43,7 @@ def compress(
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
     from ..api import compress as run
     from ..config import CompressConfig
+    from ..errors import QRecoverError
     from ..models import DEFAULT_MODEL
 
     params: dict = {}
@@ -48,8 +51,15 @@ def compress(
         params["group_size"] = group_size
     if block_size is not None:
         params["block_size"] = block_size
+    widths = parse_ints(bits, "--bits")
+    if uniform or (bpw is None and len(widths) == 1):
+        if bpw is not None:
+            raise QRecoverError(f"--uniform and --bpw {bpw} contradict each other; drop one")
+        target = None
+    else:
+        target = 3.7 if bpw is None else bpw
     cfg = CompressConfig(
-        model=model, bpw=None if uniform else bpw, scope=scope, bits=parse_ints(bits, "--bits"), scheme=scheme,
+        model=model, bpw=target, scope=scope, bits=widths, scheme=scheme,
         scheme_params=params, embedding_bits=embedding_bits, allocation=allocation, calib_data=calib_data,
         calib_samples=calib_samples, seq_len=seq_len,
     )
