@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import QRecoverError
@@ -65,9 +65,4 @@ class CompressConfig:
         return cls(**d)
 
 
-def help_of(cls: type, name: str) -> str:
-    """The help text declared on a config field."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}[name]
-
-
-__all__ = ["CompressConfig", "help_of", "field"]
+__all__ = ["CompressConfig"]

@@ -18,6 +18,8 @@ import math
 
 import pytest
 
+from cli_helpers import run
+
 from qrecover.cli import main
 
 COMMANDS = {
@@ -27,17 +29,6 @@ COMMANDS = {
     "info": ["--layers", "--json"],
     "ppl": ["--data", "--windows", "--seq-len", "--json"],
 }
-
-
-def run(argv, capsys):
-    """``(exit code, stdout, stderr)`` of one in-process CLI call."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def flat(s: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qrecover.cli import main
+from cli_helpers import run as run_cli
 from qrecover.errors import QRecoverError
 from qrecover.reports.gate import gate
 from qrecover.reports.render import write_report
@@ -58,17 +58,9 @@ def write(tmp_path: Path, name: str, d: dict) -> Path:
 
 
 def run(argv, capsys):
-    """``(exit code, stdout, stderr)`` of one in-process CLI call."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
+    """The shared CLI runner, with stderr's whitespace collapsed (the console wraps long lines)."""
+    code, out, err = run_cli(argv, capsys)
     return code, out, " ".join(err.split())
-
-
-# --- schema ------------------------------------------------------------------------------------------
 
 
 def test_schema_round_trip(tmp_path):
