@@ -374,12 +374,19 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def load(path: str | Path, cache: bool = False, verify: bool = True) -> nn.Module:
+def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: str | Path | None = None,
+         allow_foreign_adapter: bool = False) -> nn.Module:
     """Load a compressed checkpoint as a transformers model with :class:`QuantLinear` layers.
 
     ``verify`` checks the weights file against the manifest's sha256 (a tampered or corrupted file is
     refused). ``cache`` keeps dequantized weights after first use (faster repeated CPU evaluation).
+    ``adapter``: a recovery adapter directory; the model comes back wrapped in PEFT's ``PeftModel``. An
+    adapter trained on another checkpoint is refused unless ``allow_foreign_adapter``.
     """
+    if adapter is not None:
+        from .recovery.lora import check_base
+
+        check_base(adapter, path, allow_foreign_adapter)  # before the expensive load
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -419,20 +426,40 @@ def load(path: str | Path, cache: bool = False, verify: bool = True) -> nn.Modul
         raise QRecoverError(f"checkpoint {str(path)!r} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.eval()
     model.qrecover_manifest = manifest
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+        model.eval()
+        model.qrecover_manifest = manifest
     return model
 
 
-def load_any(spec: str | None, cache: bool = True) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """An original model or a qrecover checkpoint, for evaluation: ``(model, tokenizer, info)``."""
+def load_any(spec: str | None, cache: bool = True, adapter: str | Path | None = None,
+             allow_foreign_adapter: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """An original model or a qrecover checkpoint (with an optional recovery adapter), for evaluation.
+
+    Returns ``(model, tokenizer, info)``; ``info["adapter"]`` is ``{path, rank, bpw_cost}`` when an adapter
+    is loaded, else None.
+    """
     from transformers import AutoTokenizer
 
     path, kind = resolve(spec)
     if kind == "qrecover":
-        model = load(path, cache=cache)
-        return model, AutoTokenizer.from_pretrained(path), {"kind": "qrecover", "path": str(path),
-                                                             "measured_bpw": model.qrecover_manifest.get("measured_bpw")}
+        model = load(path, cache=cache, adapter=adapter, allow_foreign_adapter=allow_foreign_adapter)
+        info = {"kind": "qrecover", "path": str(path), "measured_bpw": model.qrecover_manifest.get("measured_bpw"),
+                "adapter": None}
+        if adapter is not None:
+            from .recovery.lora import adapter_summary
+
+            info["adapter"] = adapter_summary(adapter, model.qrecover_manifest)
+        return model, AutoTokenizer.from_pretrained(path), info
+    if adapter is not None:
+        raise QRecoverError(f"--adapter needs a qrecover checkpoint; {spec or 'the default model'!r} is an unquantized "
+                            "model. Pass the checkpoint the adapter was trained on")
     model, tok, source = load_model(spec)
-    return model, tok, {"kind": source.kind, "path": source.path, "measured_bpw": {"model": 32.0, "linear": 32.0}}
+    return model, tok, {"kind": source.kind, "path": source.path, "measured_bpw": {"model": 32.0, "linear": 32.0},
+                        "adapter": None}
 
 
 # --- perplexity -----------------------------------------------------------------------------------------

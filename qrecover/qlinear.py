@@ -18,7 +18,7 @@ class _Packed(nn.Module):
     """Common part: the packed tensors as buffers plus what is needed to dequantize them."""
 
     def __init__(self, qw: QuantizedWeight, cache: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: there is no dense weight Parameter to allocate
         self.scheme, self.bits, self.shape, self.params = qw.scheme, qw.bits, tuple(qw.shape), dict(qw.params)
         self._quantizer = get_quantizer(qw.scheme, **qw.params)
         for name, t in qw.tensors.items():
@@ -28,19 +28,21 @@ class _Packed(nn.Module):
         self._dense: torch.Tensor | None = None
 
     @property
-    def qweight(self) -> QuantizedWeight:
+    def packed(self) -> QuantizedWeight:
+        """The packed weight as a :class:`QuantizedWeight` (named `packed`, not `qweight`: PEFT reads a
+        `qweight` attribute as a GPTQ tensor)."""
         tensors = {n: getattr(self, n) for n in self._tensor_names}
         return QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors)
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes
+        return self.packed.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
         with torch.no_grad():
-            dense = self._quantizer.dequantize(self.qweight, dtype)
+            dense = self._quantizer.dequantize(self.packed, dtype)
         if self.cache:
             self._dense = dense
         return dense
@@ -49,8 +51,14 @@ class _Packed(nn.Module):
         return f"shape={self.shape}, scheme={self.scheme}, bits={self.bits}, params={self.params}"
 
 
-class QuantLinear(_Packed):
-    """A linear layer ``y = x W^T + b`` whose ``W (out_features, in_features)`` is stored packed."""
+class QuantLinear(_Packed, nn.Linear):
+    """A linear layer ``y = x W^T + b`` whose ``W (out_features, in_features)`` is stored packed.
+
+    It is an ``nn.Linear`` to the outside world (``isinstance`` holds, ``in_features``/``out_features``/
+    ``weight``/``bias`` are there), so libraries that wrap linear layers by type accept it as a base
+    layer: PEFT's LoRA wraps it with its own ``lora.Linear`` and calls this forward for the frozen part.
+    ``weight`` is a read-only dequantized tensor, not a Parameter: nothing can train or merge into it.
+    """
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, cache: bool = False):
         super().__init__(qw, cache)

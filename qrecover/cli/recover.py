@@ -1,0 +1,89 @@
+"""``qrecover recover``: train LoRA recovery adapters on a frozen compressed checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import JsonOpt, console, emit_json, parse_ints
+
+EXAMPLES = """Examples:
+
+  qrecover recover out/smollm2-135m-instruct-3.7bpw                      # rank 16, shipped mix, distillation
+
+  qrecover recover CKPT --ranks 8,16,32 --tokens 131072 --out out/lora   # AFM's suite: out/lora/rank-8, ...
+
+  qrecover recover CKPT --objective ce --mix my-mix.toml --out out/lora-ce
+
+  qrecover recover CKPT --out out/lora-r16 --resume                      # continue an interrupted run
+
+  accelerate launch -m qrecover.cli recover CKPT --tokens 10000000       # data parallel on several GPUs
+
+The adapter directory is standard PEFT: PeftModel.from_pretrained(qrecover.load(CKPT), OUT).
+"""
+
+
+def recover(
+    checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),
+    rank: int = typer.Option(16, "--rank", "-r", help="LoRA rank."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Several ranks in one command, e.g. 8,16,32: one adapter each, in OUT/rank-R."),
+    mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped recovery/default-mix.toml."),
+    tokens: int = typer.Option(65536, "--tokens", "-t", help="Training tokens per adapter."),
+    objective: str = typer.Option("kd", "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
+    kd_weight: float = typer.Option(0.5, "--kd-weight", help="With --objective mix: weight of the distillation term."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per packed training sequence."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per micro-batch (per process)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    targets: str = typer.Option("all", "--targets", help="'all' quantized projections, or 'top:N' = the N most damaged layers (a smaller adapter)."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only at the end)."),
+    gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in backward: less memory, slower."),
+    no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in memory."),
+    no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the evaluation sets."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the adapter initialisation and data order."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Adapter directory (default: CHECKPOINT-lora-rR; with --ranks the parent of rank-R)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Train again from scratch if OUT exists."),
+    resume: bool = typer.Option(False, "--resume", help="Continue OUT's last checkpoint (a finished adapter is left as it is)."),
+    keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT/checkpoints after training."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Train LoRA recovery adapters on the frozen quantized model (AFM section 5): PEFT adapters in 16 bits."""
+    from ..errors import QRecoverError
+    from ..recovery.api import recover as run
+    from ..recovery.config import RecoverConfig
+
+    if overwrite and resume:
+        raise QRecoverError("--overwrite and --resume contradict each other; pick one")
+    rank_list = parse_ints(ranks, "--ranks") if ranks else [rank]
+    if not rank_list:
+        raise QRecoverError("--ranks must name at least one rank, e.g. --ranks 8,16,32")
+    configs = [RecoverConfig(rank=r, tokens=tokens, mix=None if mix is None else str(mix), objective=objective,
+                             kd_weight=kd_weight, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                             targets=targets, checkpoint_every=checkpoint_every,
+                             gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache,
+                             decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
+    if mix is not None and not mix.is_file():
+        raise QRecoverError(f"--mix {str(mix)!r} does not exist; pass a recipe TOML such as recovery/default-mix.toml")
+    base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
+    results = []
+    for cfg in configs:
+        target = base / f"rank-{cfg.rank}" if ranks else base
+        meta = run(checkpoint, target, cfg, overwrite=overwrite, resume=resume, show_progress=not json_out,
+                   keep_checkpoints=keep_checkpoints)
+        if not meta:  # a non-main process of a distributed run
+            continue
+        results.append({"out": str(target), "rank": meta["rank"], "bytes": meta["bytes"]["tensors"],
+                        "bpw_cost": meta["bpw_cost"], "tokens": meta["training"]["tokens"],
+                        "final_loss": meta["training"]["final_loss"], "tok_per_s": meta["training"]["tok_per_s"],
+                        "seconds": meta["training"]["seconds"]})
+    if json_out:
+        emit_json(results if ranks else (results[0] if results else {}))
+        return
+    from rich.markup import escape
+
+    for r in results:
+        console.print(f"[bold]{escape(r['out'])}[/]: rank {r['rank']}, {r['bytes'] / 1e6:.2f} MB in 16 bits "
+                      f"(+{r['bpw_cost']:.3f} bpw over the base model), {r['tokens']:,} tokens in {r['seconds']:.0f} s "
+                      f"({r['tok_per_s']:.0f} tok/s), final loss {r['final_loss']:.4f}")

@@ -1,0 +1,217 @@
+"""``recover`` and ``finetune``: the entry points the CLI and the pipeline call.
+
+``recover(CHECKPOINT, OUT, cfg)`` trains one LoRA recovery adapter on the frozen quantized checkpoint and
+writes a PEFT adapter directory::
+
+    OUT/adapter_config.json          PEFT: PeftModel.from_pretrained(qrecover.load(CHECKPOINT), OUT)
+    OUT/adapter_model.safetensors    LoRA A/B of every adapted projection, float16
+    OUT/qrecover_adapter.json        the base it belongs to (hashes), rank, bytes, bpw cost, training summary
+    OUT/data_report.json             tokens per source, epochs, decontamination (what was dropped and why)
+    OUT/train_log.jsonl              one line per optimizer step: tokens, loss, lr, tokens/s
+
+While training, OUT holds ``run.json`` and ``checkpoints/``; the adapter files appear only when training
+has finished (``qrecover_adapter.json`` last), so a crash never leaves a loadable half-trained adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import QRecoverError
+from ..io_utils import sha256_file
+from ..models import load_model, resolve
+from .config import RecoverConfig
+from .lora import ADAPTER_META, attach_lora, base_identity, load_adapter, save_adapter
+from .train import CHECKPOINTS, latest_checkpoint, train
+
+DEFAULT_MIX = Path(__file__).resolve().parents[2] / "recovery" / "default-mix.toml"
+RUN_FILE = "run.json"
+
+
+def default_mix_path() -> Path:
+    if not DEFAULT_MIX.is_file():
+        raise QRecoverError(f"the shipped default mix {DEFAULT_MIX} is missing (qrecover installed without its "
+                            "source tree?); pass --mix RECIPE.toml")
+    return DEFAULT_MIX
+
+
+def _require_checkpoint(checkpoint: str | Path) -> Path:
+    path, kind = resolve(str(checkpoint))
+    if kind != "qrecover":
+        raise QRecoverError(f"{str(checkpoint)!r} is an unquantized model ({kind}); recovery trains adapters on a "
+                            "compressed checkpoint: run `qrecover compress` first and pass its output directory")
+    return path
+
+
+def is_complete(out: Path) -> bool:
+    return (out / ADAPTER_META).is_file() and (out / "adapter_config.json").is_file()
+
+
+def _prepare_out(out: Path, overwrite: bool, resume: bool) -> None:
+    if out.exists() and not (overwrite or resume):
+        state = "a finished adapter" if is_complete(out) else "an unfinished run (resume it with --resume)"
+        raise QRecoverError(f"adapter directory {str(out)!r} already exists and holds {state}; pass --overwrite "
+                            "to train again from scratch, or --resume to continue its last checkpoint")
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _select_targets(model: torch.nn.Module, cfg: RecoverConfig) -> list[str] | None:
+    """``None`` (every quantized projection) or the ``top:N`` layers by quantization damage in the manifest."""
+    if cfg.targets == "all":
+        return None
+    n = int(cfg.targets.removeprefix("top:"))
+    layers = model.qrecover_manifest["layers"]
+    linear = [(info.get("damage") or 0.0, name) for name, info in layers.items() if info["kind"] == "linear"]
+    return [name for _, name in sorted(linear, reverse=True)[:n]]
+
+
+def load_teacher(manifest: dict[str, Any]) -> torch.nn.Module:
+    """The unquantized model the checkpoint was compressed from, checked against the manifest's hash."""
+    src = manifest["source"]
+    spec = None if src["kind"] == "default" else src["path"]
+    model, _, source = load_model(spec)
+    if source.weights_sha256 != src["weights_sha256"]:
+        raise QRecoverError(f"the unquantized model at {src['path']!r} has changed since compression (weights sha256 "
+                            f"{source.weights_sha256[:12]}... vs {src['weights_sha256'][:12]}... in the manifest); "
+                            "distillation needs the original: restore it, or use --objective ce")
+    return model
+
+
+def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | None,
+                 data: str | None = None) -> Any:
+    from .mix import MixLoader, load_mix, single_source_mix
+
+    mix = single_source_mix(data) if data is not None else load_mix(mix_path or cfg.mix or default_mix_path())
+    return MixLoader(mix, tokenizer, seq_len=cfg.seq_len, total_tokens=total_tokens, seed=cfg.seed,
+                     decontaminate=cfg.decontaminate)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _finish(peft_model, out: Path, cfg: RecoverConfig, checkpoint: Path, summary: dict[str, Any], loader: Any,
+            keep_checkpoints: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """Export the adapter (files moved into ``out``, the metadata last), logs and the data report."""
+    manifest = peft_model.qrecover_manifest if hasattr(peft_model, "qrecover_manifest") else None
+    tmp = out / ".export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    training = {k: v for k, v in summary.items() if k not in ("history", "model", "is_main_process")}
+    meta = save_adapter(peft_model, tmp, base_identity(checkpoint), manifest["parameters"]["model"],
+                        extra={"config": cfg.to_dict(), "training": training, **extra})
+    with open(tmp / "train_log.jsonl", "w") as f:
+        for row in summary["history"]:
+            f.write(json.dumps(row) + "\n")
+    _write_json(tmp / "data_report.json", loader.report())
+    for name in ("adapter_model.safetensors", "adapter_config.json", "train_log.jsonl", "data_report.json", ADAPTER_META):
+        os.replace(tmp / name, out / name)  # qrecover_adapter.json last: its presence means "complete"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not keep_checkpoints:
+        shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+    (out / RUN_FILE).unlink(missing_ok=True)
+    return meta
+
+
+def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None = None, overwrite: bool = False,
+            resume: bool = False, show_progress: bool = True, keep_checkpoints: bool = False,
+            callback: Callable[[dict[str, Any]], None] | None = None, teacher: torch.nn.Module | None = None,
+            ) -> dict[str, Any]:
+    """Train one recovery adapter of ``cfg.rank`` on ``checkpoint``; returns its ``qrecover_adapter.json``.
+
+    ``teacher``: the unquantized model, if the caller already holds it (else loaded when the objective
+    needs it). ``callback``: see :func:`qrecover.recovery.train.train`.
+    """
+    from transformers import AutoTokenizer
+
+    from ..api import load
+
+    cfg = cfg or RecoverConfig()
+    checkpoint, out = _require_checkpoint(checkpoint), Path(out)
+    if resume and is_complete(out):
+        return json.loads((out / ADAPTER_META).read_text())
+    _prepare_out(out, overwrite, resume)
+    _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+    model = load(checkpoint, cache=cfg.cache_dequantized)
+    manifest = model.qrecover_manifest
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    torch.manual_seed(cfg.seed)  # the LoRA A initialisation
+    peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg))
+    peft_model.qrecover_manifest = manifest
+    if cfg.objective != "ce" and teacher is None:
+        teacher = load_teacher(manifest)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from .train import total_steps
+
+    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, cfg.mix)
+    summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
+                    callback=callback, description=f"recover r{cfg.rank}")
+    if not summary["is_main_process"]:
+        return {}
+    return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,
+                   {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json")})
+
+
+def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_foreign_adapter: bool = False,
+                       cache: bool = True):
+    """The quantized base (frozen) with the recovery adapter loaded as trainable weights: a feature adapter's
+    step 0. The same as ``PeftModel.from_pretrained(qrecover.load(CKPT), RECOVERY_DIR, is_trainable=True)``."""
+    from ..api import load
+
+    checkpoint = _require_checkpoint(checkpoint)
+    model = load(checkpoint, cache=cache)
+    manifest = model.qrecover_manifest
+    peft_model = load_adapter(model, init_adapter, checkpoint, allow_foreign_adapter, trainable=True)
+    peft_model.qrecover_manifest = manifest
+    return peft_model
+
+
+def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: str | Path,
+             cfg: RecoverConfig | None = None, overwrite: bool = False, resume: bool = False,
+             show_progress: bool = True, allow_foreign_adapter: bool = False) -> dict[str, Any]:
+    """Train a feature adapter that starts from a recovery adapter (its weights at step 0), base frozen.
+
+    ``data``: the feature's training data, a jsonl of ``{"text": ...}`` or ``{"messages": [...]}`` rows (or any
+    single source the mix loader reads). The rank is the recovery adapter's; ``cfg.objective`` must be 'ce'
+    (a feature team teaches new behaviour, it does not imitate the unquantized model).
+    """
+    from transformers import AutoTokenizer
+
+    cfg = cfg or RecoverConfig(objective="ce")
+    if cfg.objective != "ce":
+        raise QRecoverError(f"finetune trains on the feature's data with cross-entropy; --objective {cfg.objective!r} "
+                            "is for recovery")
+    checkpoint, out = _require_checkpoint(checkpoint), Path(out)
+    if resume and is_complete(out):
+        return json.loads((out / ADAPTER_META).read_text())
+    peft_model = init_feature_model(checkpoint, init_adapter, allow_foreign_adapter, cfg.cache_dequantized)
+    cfg = RecoverConfig.from_dict({**cfg.to_dict(), "rank": peft_model.peft_config["default"].r})
+    _prepare_out(out, overwrite, resume)
+    _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "init_adapter": str(init_adapter),
+                                 "config": cfg.to_dict()})
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from .train import total_steps
+
+    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, None, data=data)
+    summary = train(peft_model, cfg, loader, out, resume=resume, show_progress=show_progress, description="finetune")
+    if not summary["is_main_process"]:
+        return {}
+    return _finish(peft_model, out, cfg, checkpoint, summary, loader, False,
+                   {"init_adapter": str(Path(init_adapter).resolve()), "data": data})
+
+
+__all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "load_teacher", "latest_checkpoint", "is_complete"]

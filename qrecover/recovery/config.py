@@ -1,0 +1,87 @@
+"""The recovery training config: a dataclass that round-trips to JSON, every field documented where declared."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import QRecoverError
+from ..schemes.base import doc_field
+
+OBJECTIVES = ("ce", "kd", "mix")
+
+
+@dataclass
+class RecoverConfig:
+    rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)")
+    alpha: float | None = doc_field(None, "LoRA alpha; None = 2 x rank (scaling 2)")
+    targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
+    tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
+    mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped recovery/default-mix.toml")
+    objective: str = doc_field("kd", "'ce' (next-token cross-entropy on the data), 'kd' (KL to the unquantized model), 'mix' (both)")
+    kd_weight: float = doc_field(0.5, "with objective 'mix': loss = (1 - kd_weight) * CE + kd_weight * KL")
+    temperature: float = doc_field(1.0, "distillation temperature (1 = match the teacher's distribution as is)")
+    seq_len: int = doc_field(512, "tokens per packed training sequence")
+    batch_size: int = doc_field(4, "sequences per micro-batch (per process)")
+    grad_accum: int = doc_field(1, "micro-batches per optimizer step")
+    lr: float = doc_field(1e-3, "peak learning rate (AdamW)")
+    warmup: float = doc_field(0.05, "fraction of steps of linear warm-up")
+    min_lr_ratio: float = doc_field(0.1, "the cosine schedule ends at this fraction of the peak lr")
+    weight_decay: float = doc_field(0.0, "AdamW weight decay on the adapter weights")
+    max_grad_norm: float = doc_field(1.0, "gradient clipping (global L2 norm); 0 disables")
+    dropout: float = doc_field(0.0, "LoRA dropout")
+    seed: int = doc_field(0, "seed for initialisation and data order")
+    checkpoint_every: int = doc_field(50, "optimizer steps between resumable checkpoints; 0 = only at the end")
+    gradient_checkpointing: bool = doc_field(False, "recompute activations in backward (less memory, ~30% slower)")
+    cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
+    decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise QRecoverError(f"--rank {self.rank!r} must be a positive integer, e.g. --rank 16")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise QRecoverError(f"--tokens {self.tokens!r} must be a positive number of training tokens, e.g. --tokens 65536")
+        if self.objective not in OBJECTIVES:
+            raise QRecoverError(f"--objective {self.objective!r} must be one of {', '.join(OBJECTIVES)}")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise QRecoverError(f"--kd-weight {self.kd_weight} must be in [0, 1]")
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise QRecoverError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
+        if not self.lr > 0:
+            raise QRecoverError(f"--lr {self.lr} must be positive, e.g. --lr 1e-3")
+        if not self.temperature > 0:
+            raise QRecoverError(f"--temperature {self.temperature} must be positive")
+        if not 0.0 <= self.warmup < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise QRecoverError(f"warmup={self.warmup} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if self.checkpoint_every < 0 or self.max_grad_norm < 0:
+            raise QRecoverError("--checkpoint-every and max_grad_norm must not be negative")
+        if self.targets != "all":
+            n = self.targets.removeprefix("top:")
+            if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:
+                raise QRecoverError(f"--targets {self.targets!r} must be 'all' or 'top:N' with N > 0, e.g. top:60")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step on one process."""
+        return self.batch_size * self.grad_accum * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RecoverConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise QRecoverError(f"unknown recover config key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,223 @@
+"""The recovery training loop: one loop, top to bottom, that runs alike on this CPU and on many GPUs.
+
+Scaling is accelerate's: ``qrecover recover ...`` runs on one process; ``accelerate launch -m qrecover.cli
+recover ...`` (or ``torchrun``) runs data parallel, each process taking every ``world``-th sequence of the same
+deterministic data stream. Only the LoRA weights train; the packed base weights are buffers and never change.
+
+Resumability: every ``checkpoint_every`` optimizer steps the main process writes ``checkpoints/step-N.pt``
+(adapter weights in fp32, optimizer, scheduler, step, tokens, the data loader's exact position and every RNG
+state) atomically. ``resume=True`` continues from the newest one, and the run ends where an uninterrupted run
+would (tested: same weights).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import resource
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..errors import QRecoverError
+from ..qlinear import QuantLinear
+from .config import RecoverConfig
+from .objective import loss_fn
+
+CHECKPOINTS = "checkpoints"
+
+
+class NonFiniteLoss(QRecoverError):
+    """Training stopped because the loss was NaN or infinite."""
+
+
+def total_steps(cfg: RecoverConfig, world: int = 1) -> int:
+    """Optimizer steps that cover ``cfg.tokens`` (rounded up to whole steps)."""
+    return max(1, math.ceil(cfg.tokens / (cfg.tokens_per_step * world)))
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted((run_dir / CHECKPOINTS).glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any], keep: int = 2) -> None:
+    """Write atomically (temp file + rename), then drop all but the newest ``keep`` checkpoints."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    for old in sorted(path.parent.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: GPU allocations on CUDA, else the resident set size."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _progress(show: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
+                    TextColumn("{task.fields[speed]:,.0f} tok/s"), TextColumn("loss {task.fields[loss]:.4f}"),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=not show)
+
+
+def _batches(stream: Iterator[dict[str, torch.Tensor]], batch_size: int, rank: int, world: int
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Micro-batches ``(input_ids, labels)`` of shape ``(batch_size, seq_len)`` for this process.
+
+    Each micro-batch step takes ``batch_size * world`` sequences from the shared stream; process ``rank``
+    keeps every ``world``-th of them, so processes never see the same sequence and the global batch is the
+    same whatever the number of processes.
+    """
+    while True:
+        seqs = [next(stream) for _ in range(batch_size * world)][rank::world]
+        yield torch.stack([s["input_ids"] for s in seqs]), torch.stack([s["labels"] for s in seqs])
+
+
+def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teacher: nn.Module | None = None,
+          resume: bool = False, show_progress: bool = True,
+          callback: Callable[[dict[str, Any]], None] | None = None, description: str = "recover") -> dict[str, Any]:
+    """Train the trainable (LoRA) parameters of ``model`` on ``loader``; returns a summary of the run.
+
+    ``loader``: iterable of ``{"input_ids", "labels"}`` sequences with ``state_dict()``/``load_state_dict()``.
+    ``teacher``: the unquantized model, needed by the 'kd' and 'mix' objectives.
+    ``callback(info)``: called on the main process after every optimizer step (and checkpoint), with
+    ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
+    """
+    from accelerate import Accelerator
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    if cfg.objective != "ce" and teacher is None:
+        raise QRecoverError(f"objective {cfg.objective!r} distils from the unquantized model, but none was given")
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    rank, world = accelerator.process_index, accelerator.num_processes
+    steps = total_steps(cfg, world)
+
+    # --- the model: base frozen (its packed weights are buffers), adapter weights trainable ---------------
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.cache = cfg.cache_dequantized
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = list(_trainable(model).values())
+    if not params:
+        raise QRecoverError("the model has no trainable parameters; attach an adapter first")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=round(cfg.warmup * steps), num_training_steps=steps, min_lr_rate=cfg.min_lr_ratio)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if teacher is not None:
+        teacher.to(accelerator.device).eval().requires_grad_(False)
+
+    # --- resume: adapter, optimizer, scheduler, data position and RNG exactly as they were ----------------
+    step, tokens, history = 0, 0, []
+    torch.manual_seed(cfg.seed)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state["config"] != cfg.to_dict():
+            diff = {k: (state["config"].get(k), v) for k, v in cfg.to_dict().items() if state["config"].get(k) != v}
+            raise QRecoverError(f"cannot resume {run_dir}: it was started with different settings {diff} "
+                                "(checkpoint value, new value); rerun with the original settings or --overwrite")
+        unwrapped = accelerator.unwrap_model(model)
+        missing = set(_trainable(unwrapped)) - set(state["adapter"])
+        if missing:
+            raise QRecoverError(f"checkpoint {ckpt} lacks adapter weights {sorted(missing)[:3]}; it belongs to another run")
+        with torch.no_grad():
+            for n, p in _trainable(unwrapped).items():
+                p.copy_(state["adapter"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["loader"])
+        step, tokens, history = state["step"], state["tokens"], state["history"]
+        _set_rng_state(state["rng"])
+
+    stream = _batches(iter(loader), cfg.batch_size, rank, world)
+    model.train()
+    t0, tokens0 = time.perf_counter(), tokens
+    with _progress(show_progress and accelerator.is_main_process) as bar:
+        task = bar.add_task(description, total=steps * cfg.tokens_per_step * world, completed=tokens,
+                            speed=0.0, loss=float("nan"))
+        while step < steps:
+            # --- one optimizer step: grad_accum micro-batches ------------------------------------------
+            step_loss = 0.0
+            for _ in range(cfg.grad_accum):
+                ids, labels = next(stream)
+                ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
+                teacher_logits = None
+                if teacher is not None and cfg.objective != "ce":
+                    with torch.no_grad(), accelerator.autocast():
+                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits
+                with accelerator.autocast():
+                    logits = model(input_ids=ids, use_cache=False).logits
+                    loss = loss_fn(cfg.objective, logits, labels, teacher_logits, cfg.kd_weight, cfg.temperature)
+                if not torch.isfinite(loss):
+                    last = latest_checkpoint(run_dir)
+                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+                    raise NonFiniteLoss(f"training loss became {loss.item()} at step {step + 1}; stopped. {where}. "
+                                        "Lower --lr (or raise --grad-accum) and rerun with --resume")
+                # each backward() sums gradients, so scale the loss to average over the micro-batches
+                accelerator.backward(loss / cfg.grad_accum)
+                step_loss += loss.item() / cfg.grad_accum
+            if cfg.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += cfg.tokens_per_step * world
+            step_loss = accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "mean").item()
+            speed = (tokens - tokens0) / (time.perf_counter() - t0)
+            history.append({"step": step, "tokens": tokens, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                            "tok_per_s": speed})
+            bar.update(task, completed=tokens, speed=speed, loss=step_loss)
+
+            # --- checkpoint, then the caller's hook ----------------------------------------------------
+            if accelerator.is_main_process and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == steps):
+                _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
+                    "config": cfg.to_dict(), "step": step, "tokens": tokens, "history": history,
+                    "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "loader": loader.state_dict(), "rng": _rng_state()})
+            accelerator.wait_for_everyone()
+            if callback is not None and accelerator.is_main_process:
+                callback({"step": step, "tokens": tokens, "loss": step_loss, "model": accelerator.unwrap_model(model)})
+    model.eval()
+    elapsed = time.perf_counter() - t0
+    return {"steps": step, "tokens": tokens, "final_loss": history[-1]["loss"] if history else None,
+            "tok_per_s": (tokens - tokens0) / elapsed if elapsed > 0 else None, "seconds": elapsed,
+            "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
+            "model": accelerator.unwrap_model(model), "is_main_process": accelerator.is_main_process}
