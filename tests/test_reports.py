@@ -8,7 +8,10 @@ settings and a metric absent from the baseline are errors naming the metric; row
 descending, quantized before recovered, with bpw with and without the adapter; report.md holds the
 table, report.json round-trips, report.html parses and holds the table and (with matplotlib) an inline
 PNG; the gate's exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection,
-missing cells, and ``--noise-aware`` passing a cell that plain mode fails.
+missing cells, and ``--noise-aware`` passing a cell that plain mode fails. Skipped metrics (AlpacaEval without a
+judge): ``Results.skipped`` round-trips and is validated, files without it still load and save unchanged,
+the report's column reads "not run: no judge configured" in md/json/html (and "baseline not run: ..." when
+only the baseline skipped it), and the gate lists such a cell as skipped, neither pass nor failure.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from qrecover.reports.results import Adapter, MeasuredBpw, Metric, Results, RunI
 from qrecover.reports.table import normalise
 
 FEWSHOT = {"ifeval": {"num_fewshot": 0, "limit": None}, "gsm8k": {"num_fewshot": 5, "limit": None},
-           "ppl": {"data": "python-docs", "windows": 32, "seq_len": 512}}
-HIB = {"ifeval": True, "gsm8k": True, "ppl": False}
+           "ppl": {"data": "python-docs", "windows": 32, "seq_len": 512}, "alpacaeval": {"limit": None, "judge_model": "gpt-4o"}}
+HIB = {"ifeval": True, "gsm8k": True, "ppl": False, "alpacaeval": True}
 
 
 def results(kind: str, scores: dict, bpw: float | None = None, rank: int | None = None, cost: float = 0.0) -> dict:
@@ -382,3 +385,108 @@ def test_help_lists_options(capsys):
                       ("gate", ["--min-ratio", "--metric", "--rows", "--noise-aware", "--json"])):
         code, out, _ = run([cmd, "--help"], capsys)
         assert code == 0 and "Examples" in out and all(o in out for o in opts), cmd
+
+
+# --- skipped metrics (AlpacaEval without a judge) ------------------------------------------------------
+
+def skipping(d: dict, reason: str = "no judge configured") -> dict:
+    d = json.loads(json.dumps(d))
+    d["skipped"] = {"alpacaeval": reason}
+    return d
+
+
+def test_skipped_round_trip_and_validation(tmp_path):
+    r = Results.from_dict(skipping(Q37))
+    assert r.skipped == {"alpacaeval": "no judge configured"}
+    assert r.to_dict()["skipped"] == {"alpacaeval": "no judge configured"}
+    assert Results.from_dict(json.loads(r.to_json())) == r
+    r.save(tmp_path / "s.json")
+    assert load_results(tmp_path / "s.json") == r
+    assert "skipped" not in Results.from_dict(Q37).to_dict()  # absent when empty: old files unchanged
+    only = results("quantized", {}, bpw=3.7)
+    only["skipped"] = {"alpacaeval": "no judge configured"}
+    assert Results.from_dict(only).metrics == {}  # a file may hold only a skipped metric
+    for bad, needles in ((lambda d: d.update(skipped=["alpacaeval"]), ["'skipped'", "JSON object"]),
+                         (lambda d: d["skipped"].update(alpacaeval=None), ["skipped.alpacaeval", "string"]),
+                         (lambda d: d["skipped"].update(alpacaeval=" "), ["skipped.alpacaeval", "empty"]),
+                         (lambda d: d["skipped"].update(gsm8k="oops"), ["skipped.gsm8k", "also in metrics"])):
+        d = skipping(Q37)
+        bad(d)
+        with pytest.raises(QRecoverError) as e:
+            load_results(write(tmp_path, "bad.json", d))
+        assert all(n in str(e.value) for n in needles), (needles, str(e.value))
+
+
+def test_skipped_column_in_report(tmp_path):
+    base = results("original", {"ifeval": (0.80, 0.02), "alpacaeval": (0.20, 0.02), "gsm8k": (0.50, 0.01)})
+    q = skipping(results("quantized", {"ifeval": (0.72, 0.03), "gsm8k": (0.45, 0.01)}, bpw=3.7))
+    r = results("recovered", {"ifeval": (0.78, 0.02), "alpacaeval": (0.19, 0.02), "gsm8k": (0.49, None)}, bpw=3.7, rank=16)
+    rows = normalise([Results.from_dict(q), Results.from_dict(r)], Results.from_dict(base))
+    assert "alpacaeval" not in rows[0].cells and rows[0].skipped == {"alpacaeval": "not run: no judge configured"}
+    assert rows[1].cells["alpacaeval"].ratio == pytest.approx(0.95) and rows[1].skipped == {}
+    out = tmp_path / "rep"
+    rep = write_report(rows, Results.from_dict(base), out)
+    md = (out / "report.md").read_text()
+    assert "| bpw | bpw with adapter | model | ifeval | gsm8k | alpacaeval |" in md
+    assert "| 3.70 | 3.70 | quantized | 90.0% (0.72 ± 0.03) | 90.0% (0.45 ± 0.01) | not run: no judge configured |" in md
+    assert "| 95.0% (0.19 ± 0.02) |" in md
+    back = json.loads((out / "report.json").read_text())
+    assert back == json.loads(json.dumps(rep)) and "alpacaeval" in back["metrics"]
+    assert back["rows"][0]["skipped"] == {"alpacaeval": "not run: no judge configured"}
+    assert "alpacaeval" not in back["rows"][0]["cells"]
+    page = _Page()
+    page.feed((out / "report.html").read_text())
+    assert "not run: no judge configured" in page.cells
+
+
+def test_skipped_everywhere_and_on_the_baseline(tmp_path):
+    # no row and not the baseline ran it: a column that says so, no number anywhere
+    rows = normalise(Results.from_dict(skipping(Q37)), Results.from_dict(skipping(BASE)))
+    out = tmp_path / "rep"
+    write_report(rows, Results.from_dict(skipping(BASE)), out)
+    md = (out / "report.md").read_text()
+    assert "alpacaeval (not run)" in md and "| not run: no judge configured |" in md
+    assert "alpacaeval not run (no judge configured)" in md  # the baseline scores line
+    # the run has a score but the baseline has none: not normalised, and the cell says why
+    r = json.loads(json.dumps(Q37))
+    r["metrics"]["alpacaeval"] = {"value": 0.2, "stderr": 0.02, "higher_is_better": True, "settings": dict(FEWSHOT["alpacaeval"])}
+    (row,) = normalise(Results.from_dict(r), Results.from_dict(skipping(BASE)))
+    assert row.skipped == {"alpacaeval": "baseline not run: no judge configured"} and "alpacaeval" not in row.cells
+
+
+SKIP_REPORT = {
+    "metrics": ["ifeval", "alpacaeval"],
+    "rows": [{"label": "3.70 bpw recovered (rank 16)", "kind": "recovered", "cells": {"ifeval": cell(0.98, 0.01)},
+              "skipped": {"alpacaeval": "not run: no judge configured"}}],
+}
+
+
+def test_gate_skipped_is_neither_pass_nor_fail():
+    r = gate(SKIP_REPORT, 0.97)
+    assert r.passed and [(c.metric, c.passed, c.skipped) for c in r.cells] == [("ifeval", True, False), ("alpacaeval", False, True)]
+    assert r.cells[1].note == "not run: no judge configured" and r.cells[1].ratio is None
+    assert r.failed == [] and [c.metric for c in r.skipped] == ["alpacaeval"]
+    assert not gate(SKIP_REPORT, 0.99).passed  # the measured cell still decides
+    r = gate(SKIP_REPORT, 0.97, {"alpacaeval": 0.9})  # a threshold asked for explicitly: a missing score fails
+    assert not r.passed and r.failed[0].metric == "alpacaeval" and "asks for a score" in r.failed[0].note
+    only = {"metrics": ["alpacaeval"], "rows": [dict(SKIP_REPORT["rows"][0], cells={})]}
+    with pytest.raises(QRecoverError, match="skipped.*nothing to gate"):
+        gate(only, 0.97)
+    with pytest.raises(QRecoverError, match="'skipped' must be an object"):
+        gate({"metrics": ["ifeval"], "rows": [dict(SKIP_REPORT["rows"][0], skipped=["alpacaeval"])]}, 0.97)
+
+
+def test_cli_report_and_gate_with_skipped(tmp_path, capsys):
+    q, r = write(tmp_path, "q.json", skipping(Q37)), write(tmp_path, "r.json", skipping(R37))
+    base = write(tmp_path, "base.json", skipping(BASE))
+    out = tmp_path / "reports"
+    code, _, err = run(["report", q, r, "--baseline", base, "--out", out], capsys)
+    assert code == 0, err
+    assert "| not run: no judge configured |" in (out / "report.md").read_text()
+    code, stdout, err = run(["gate", out / "report.json", "--min-ratio", "0.9", "--json"], capsys)
+    assert code == 0, err
+    assert "skipped" in err and "3/3 cells passed, 1 skipped (not run)" in err
+    g = json.loads(stdout)
+    assert g["passed"] and [c["metric"] for c in g["cells"] if c["skipped"]] == ["alpacaeval"]
+    code, _, err = run(["gate", out / "report.json", "--min-ratio", "0.9", "--metric", "alpacaeval=0.9"], capsys)
+    assert code == 1 and "FAIL" in err

@@ -68,13 +68,14 @@ def gate(
     for h in ("row", "metric", "ratio", "± stderr", "threshold", "result"):
         t.add_column(h, justify="left" if h in ("row", "metric", "result") else "right")
     for c in result.cells:
-        verdict = "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
+        verdict = "[yellow]skipped[/]" if c.skipped else "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
         t.add_row(escape(c.row), escape(c.metric), "—" if c.ratio is None else f"{100 * c.ratio:.1f}%",
                   "—" if c.ratio_stderr is None else f"{100 * c.ratio_stderr:.1f}", f"{100 * c.threshold:.1f}%",
                   verdict + (f" ({escape(c.note)})" if c.note else ""))
     console.print(t)
-    n_fail = len(result.failed)
-    console.print(f"{len(result.cells) - n_fail}/{len(result.cells)} cells passed: " +
+    n_fail, n_skip = len(result.failed), len(result.skipped)
+    checked = len(result.cells) - n_skip
+    console.print(f"{checked - n_fail}/{checked} cells passed" + (f", {n_skip} skipped (not run)" if n_skip else "") + ": " +
                   ("[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"))
     if json_out:
         emit_json(result.to_dict())

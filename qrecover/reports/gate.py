@@ -3,6 +3,11 @@
 Pure: :func:`gate` takes the report as a dict and returns a :class:`GateResult` listing every checked cell.
 Thresholds are fractions of the unquantized model's score (0.97 = 97%), compared with each cell's
 ``ratio`` (oriented so below 1 is worse, for lower-is-better metrics too).
+
+A metric a row skipped (the report row's ``skipped``, e.g. AlpacaEval without a judge) is neither a pass
+nor a failure: its cell is listed with ``skipped`` true, ``passed`` false and the reason as its note, and
+the overall verdict is decided by the other cells. Naming it in ``per_metric`` asks for a score, so
+there a skipped cell fails.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class GateCell:
     ratio_stderr: float | None
     threshold: float
     passed: bool
-    note: str = ""  # "", "within 1 stderr", "not measured"
+    note: str = ""  # "", "within 1 stderr", "not measured", or why a skipped metric was not run
+    skipped: bool = False  # not run (see the module doc): counted neither as a pass nor as a failure
 
 
 @dataclass
@@ -39,7 +45,11 @@ class GateResult:
 
     @property
     def failed(self) -> list[GateCell]:
-        return [c for c in self.cells if not c.passed]
+        return [c for c in self.cells if not c.passed and not c.skipped]
+
+    @property
+    def skipped(self) -> list[GateCell]:
+        return [c for c in self.cells if c.skipped]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,6 +71,8 @@ def _rows(report: Any) -> tuple[list[dict], list[str]]:
     for i, r in enumerate(rows):
         if not isinstance(r, Mapping) or not isinstance(r.get("cells"), Mapping) or r.get("kind") not in ("original", "quantized", "recovered"):
             raise QRecoverError(f"report row {i} is malformed: expected 'label', 'kind' and 'cells'")
+        if not isinstance(r.get("skipped", {}), Mapping):
+            raise QRecoverError(f"report row {i} ({r.get('label')}) is malformed: 'skipped' must be an object")
         for name, c in r["cells"].items():
             ok = isinstance(c, Mapping) and isinstance(c.get("ratio"), (int, float)) and not isinstance(c.get("ratio"), bool)
             se = c.get("ratio_stderr") if isinstance(c, Mapping) else None
@@ -76,10 +88,11 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
     ``rows``: 'auto' = the recovered rows, or every row when the report has none; 'all'; 'quantized';
     'recovered'. A cell passes when ``ratio >= threshold``; with ``noise_aware`` it fails only when
     ``ratio + ratio_stderr < threshold`` (one standard error of slack; a cell without a stderr is compared
-    plainly). A metric the report lists but a checked row did not measure fails ("not measured").
+    plainly). A metric the report lists but a checked row did not measure fails ("not measured"); one the row
+    skipped is listed as skipped and left out of the verdict, unless ``per_metric`` names it (then it fails).
 
-    Raises QRecoverError on a malformed report, an unknown ``rows`` choice, a choice that selects no row,
-    a ``per_metric`` name the report does not have, or a threshold outside (0, 2].
+    Raises QRecoverError on a malformed report, an unknown ``rows`` choice, a choice that selects no row or
+    only skipped cells, a ``per_metric`` name the report does not have, or a threshold outside (0, 2].
     """
     per_metric = dict(per_metric or {})
     check_threshold(min_ratio, "--min-ratio")
@@ -107,6 +120,13 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
             t = per_metric.get(name, min_ratio)
             label = str(r.get("label", r.get("model", "?")))
             c = r["cells"].get(name)
+            why = r.get("skipped", {}).get(name)
+            if c is None and why is not None:
+                if name in per_metric:  # a threshold was asked for explicitly: a missing score fails it
+                    cells.append(GateCell(label, r["kind"], name, None, None, t, False, f"{why}; --metric {name} asks for a score"))
+                else:
+                    cells.append(GateCell(label, r["kind"], name, None, None, t, False, str(why), skipped=True))
+                continue
             if c is None:
                 cells.append(GateCell(label, r["kind"], name, None, None, t, False, "not measured"))
                 continue
@@ -117,4 +137,6 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
                 cells.append(GateCell(label, r["kind"], name, ratio, se, t, True, "within 1 stderr"))
             else:
                 cells.append(GateCell(label, r["kind"], name, ratio, se, t, False))
-    return GateResult(passed=all(c.passed for c in cells), rows=chosen, noise_aware=noise_aware, cells=cells)
+    if all(c.skipped for c in cells):
+        raise QRecoverError(f"every checked cell ({len(cells)}) was skipped (not run); there is nothing to gate")
+    return GateResult(passed=all(c.passed or c.skipped for c in cells), rows=chosen, noise_aware=noise_aware, cells=cells)

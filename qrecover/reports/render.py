@@ -6,7 +6,9 @@
      higher_is_better, settings}}}, "metrics": [names...], "rows": [Row.to_dict(), ...]}
 
 where each row's ``cells[name]`` holds ``value, stderr, baseline, baseline_stderr, ratio, ratio_stderr,
-higher_is_better``, ``ratio`` being a fraction of the baseline (1.0 = 100%).
+higher_is_better``, ``ratio`` being a fraction of the baseline (1.0 = 100%), and its ``skipped[name]`` the
+text shown for a metric that was not run (``"not run: no judge configured"``); such a metric has no cell,
+and the baseline's own skipped metrics are under ``baseline.skipped``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def report_dict(rows: Sequence[Row], baseline: Results) -> dict[str, Any]:
     return {
         "report_version": REPORT_VERSION,
         "note": RATIO_NOTE,
-        "baseline": {"model": baseline.run.model, "source": baseline.source, "metrics": b["metrics"]},
+        "baseline": {"model": baseline.run.model, "source": baseline.source, "metrics": b["metrics"],
+                     "skipped": dict(baseline.skipped)},
         "metrics": metric_names(rows),
         "rows": [r.to_dict() for r in rows],
     }
@@ -49,10 +52,13 @@ def _num(x: float) -> str:
 
 
 def cell_text(row: Row, name: str) -> str:
-    """``97.9% (61.2 ± 1.3)``: percent of the baseline, then the raw score ± its stderr; ``—`` if not measured.
+    """``97.9% (61.2 ± 1.3)``: percent of the baseline, then the raw score ± its stderr; ``—`` if not measured;
+    ``not run: <reason>`` if skipped (e.g. AlpacaEval without a judge).
 
     The ratio's own stderr is in ``report.json`` (``ratio_stderr``).
     """
+    if name in row.skipped:
+        return row.skipped[name]
     c = row.cells.get(name)
     if c is None:
         return "—"
@@ -76,7 +82,7 @@ def _arrows(rows: Sequence[Row]) -> str:
     for r in rows:
         for n, c in r.cells.items():
             hib.setdefault(n, c.higher_is_better)
-    return ", ".join(f"{n} ({'higher' if hib[n] else 'lower'} is better)" for n in names)
+    return ", ".join(f"{n} (not run)" if n not in hib else f"{n} ({'higher' if hib[n] else 'lower'} is better)" for n in names)
 
 
 def render_markdown(rows: Sequence[Row], baseline: Results) -> str:
@@ -88,9 +94,10 @@ def render_markdown(rows: Sequence[Row], baseline: Results) -> str:
              "| " + " | ".join(map(esc, header)) + " |",
              "|" + "|".join(["---:", "---:", "---"] + [":---:"] * (len(header) - 3)) + "|"]
     lines += ["| " + " | ".join(map(esc, r)) + " |" for r in body]
-    base = ", ".join(f"{n} {_num(m.value)}" + ("" if m.stderr is None else f" ± {_num(m.stderr)}")
-                     for n, m in baseline.metrics.items() if n in metric_names(rows))
-    lines += ["", f"Baseline scores: {base}.", ""]
+    parts = [f"{n} {_num(m.value)}" + ("" if m.stderr is None else f" ± {_num(m.stderr)}")
+             for n, m in baseline.metrics.items() if n in metric_names(rows)]
+    parts += [f"{n} not run ({why})" for n, why in baseline.skipped.items() if n in metric_names(rows)]
+    lines += ["", f"Baseline scores: {', '.join(parts)}.", ""]
     return "\n".join(lines)
 
 

@@ -17,8 +17,13 @@ One JSON file per evaluated model, written by ``qrecover eval`` (to come) and re
                   "settings": {"num_fewshot": 5, "limit": null}},
         "ppl":   {"value": 11.9, "stderr": null, "higher_is_better": false,
                   "settings": {"data": "python-docs", "windows": 32, "seq_len": 512}}
-      }
+      },
+      "skipped": {"alpacaeval": "no judge configured"}  # optional: metrics not run, and why
     }
+
+``skipped`` (optional, absent when empty) names the metrics that were deliberately not run, with the
+reason; the report shows "not run: <reason>" in their column instead of a number, and the gate lists
+them as skipped. A name is either in ``metrics`` or in ``skipped``, never both.
 
 Every dataclass round-trips: ``Results.from_dict(r.to_dict()) == r``. :func:`load_results` validates a
 file and raises :class:`~qrecover.errors.QRecoverError` naming the file and the offending key.
@@ -86,11 +91,14 @@ class Results:
     run: RunInfo = _doc(None, "which model was evaluated")
     metrics: dict[str, Metric] = _doc(None, "metric name -> score")
     schema_version: int = _doc(SCHEMA_VERSION, "version of this file layout")
+    skipped: dict[str, str] = _doc(None, "metric name -> why it was not run (e.g. 'no judge configured'); saved only when non-empty")
     source: str | None = field(default=None, compare=False, repr=False, metadata={"help": "the file it was read from (not saved)"})
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = {}
+        if self.skipped is None:
+            self.skipped = {}
 
     @property
     def name(self) -> str:
@@ -99,7 +107,7 @@ class Results:
 
     def to_dict(self) -> dict[str, Any]:
         r = self.run
-        return {
+        d = {
             "schema_version": self.schema_version,
             "run": {
                 "model": r.model,
@@ -112,6 +120,9 @@ class Results:
             "metrics": {n: {"value": m.value, "stderr": m.stderr, "higher_is_better": m.higher_is_better,
                             "settings": dict(m.settings)} for n, m in self.metrics.items()},
         }
+        if self.skipped:  # optional key: files without skipped metrics stay as they were
+            d["skipped"] = dict(self.skipped)
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -170,10 +181,18 @@ class Results:
         for k, val in versions.items():
             v.str_(val, f"run.versions.{k}")
 
+        skipped = d.get("skipped", {})
+        v.obj(skipped, "skipped")
+        for name, why in skipped.items():
+            if not v.str_(why, f"skipped.{name}").strip():
+                v.fail(f"skipped.{name}", "is empty; say why the metric was not run, e.g. 'no judge configured'")
         ms = d["metrics"]
         v.obj(ms, "metrics")
-        if not ms:
+        if not ms and not skipped:
             v.fail("metrics", "is empty; a results file must hold at least one metric")
+        both = sorted(set(ms) & set(skipped))
+        if both:
+            v.fail(f"skipped.{both[0]}", "is also in metrics; a metric is either scored or skipped")
         metrics = {}
         for name, m in ms.items():
             key = f"metrics.{name}"
@@ -188,7 +207,7 @@ class Results:
             v.obj(m["settings"], f"{key}.settings")
             metrics[name] = Metric(value=value, stderr=stderr, higher_is_better=m["higher_is_better"], settings=dict(m["settings"]))
         run = RunInfo(model=model, kind=kind, measured_bpw=bpw, adapter=adapter, manifest_sha256=sha, versions=dict(versions))
-        return cls(run=run, metrics=metrics, schema_version=version, source=source)
+        return cls(run=run, metrics=metrics, skipped=dict(skipped), schema_version=version, source=source)
 
 
 def load_results(path: str | Path) -> Results:

@@ -17,13 +17,17 @@ orientation)::
 and is ``None`` when either stderr is missing. A metric is compared only under identical ``settings``
 (num_fewshot, limit, seq_len, ...): a difference is an error, never a silent comparison, and so is a
 run metric the baseline lacks.
+
+A metric the run skipped (``Results.skipped``, e.g. AlpacaEval without a judge) has no cell: the row's
+``skipped[name]`` holds the text its column shows instead, ``"not run: <reason>"``. A metric the run
+measured but the baseline skipped cannot be normalised and shows ``"baseline not run: <reason>"``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import QRecoverError
@@ -68,6 +72,7 @@ class Row:
     adapter_bpw_cost: float | None
     bpw_with_adapter: float | None  # bpw + adapter_bpw_cost (= bpw without an adapter)
     cells: dict[str, Cell]
+    skipped: dict[str, str] = field(default_factory=dict)  # metric -> what its cell says instead of a number
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,8 +126,11 @@ def row_label(run: Results) -> str:
 
 
 def _row(run: Results, baseline: Results) -> Row:
-    cells = {}
+    cells, skipped = {}, {}
     for name, m in run.metrics.items():
+        if name in baseline.skipped:
+            skipped[name] = f"baseline not run: {baseline.skipped[name]}"
+            continue
         if name not in baseline.metrics:
             raise QRecoverError(f"metric {name!r} of {run.name} is absent from baseline {baseline.name} "
                                 f"(it has {', '.join(sorted(baseline.metrics))}); evaluate the unquantized model on it too")
@@ -137,7 +145,8 @@ def _row(run: Results, baseline: Results) -> Row:
     return Row(label=row_label(run), kind=r.kind, model=r.model, source=run.source, bpw=bpw,
                bpw_linear=None if r.measured_bpw is None else r.measured_bpw.linear,
                adapter_rank=None if r.adapter is None else r.adapter.rank, adapter_bpw_cost=cost,
-               bpw_with_adapter=None if bpw is None else bpw + (cost or 0.0), cells=cells)
+               bpw_with_adapter=None if bpw is None else bpw + (cost or 0.0), cells=cells,
+               skipped=skipped | {name: f"not run: {why}" for name, why in run.skipped.items()})
 
 
 def sort_key(row: Row) -> tuple:
@@ -167,8 +176,9 @@ def normalise(runs: Results | Sequence[Results], baseline: Results) -> list[Row]
 
 
 def metric_names(rows: Sequence[Row]) -> list[str]:
-    """The report's columns: every metric of any row, in first-seen order."""
+    """The report's columns: every metric of any row, measured or skipped, in first-seen order."""
     names: dict[str, None] = {}
     for row in rows:
         names.update(dict.fromkeys(row.cells))
+        names.update(dict.fromkeys(row.skipped))
     return list(names)
