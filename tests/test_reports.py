@@ -490,3 +490,28 @@ def test_cli_report_and_gate_with_skipped(tmp_path, capsys):
     assert g["passed"] and [c["metric"] for c in g["cells"] if c["skipped"]] == ["alpacaeval"]
     code, _, err = run(["gate", out / "report.json", "--min-ratio", "0.9", "--metric", "alpacaeval=0.9"], capsys)
     assert code == 1 and "FAIL" in err
+
+
+def test_divergence_and_flip_scales_normalise_against_a_zero_baseline():
+    """KL (nats) and flip rates are 0 for the unquantized model: exp(b - v) and 1 - (v - b), below 1 = worse."""
+    import math
+
+    from qrecover.reports.table import ratio_of
+
+    kl = Metric(value=0.05, stderr=0.01, higher_is_better=False, scale="nats")
+    base = Metric(value=0.0, stderr=0.0, higher_is_better=False, scale="nats")
+    r, se = ratio_of(kl, base, "kl")
+    assert r == pytest.approx(math.exp(-0.05)) and se == pytest.approx(math.exp(-0.05) * 0.01)
+    flips = Metric(value=0.12, stderr=0.02, higher_is_better=False, scale="fraction")
+    r, se = ratio_of(flips, Metric(value=0.0, stderr=None, higher_is_better=False, scale="fraction"), "flips")
+    assert r == pytest.approx(0.88) and se is None
+    with pytest.raises(QRecoverError, match="scale 'nats' in the run but 'ratio'"):
+        ratio_of(kl, Metric(value=0.0, stderr=0.0, higher_is_better=False), "kl")
+    # the scale round-trips, and a file without it reads as 'ratio'
+    res = Results(run=RunInfo(model="m", kind="original"), metrics={"kl": base, "ppl": Metric(11.0, None, False)})
+    back = Results.from_dict(json.loads(res.to_json()))
+    assert back == res and back.metrics["ppl"].scale == "ratio" and "scale" not in res.to_dict()["metrics"]["ppl"]
+    bad = res.to_dict()
+    bad["metrics"]["kl"]["scale"] = "log"
+    with pytest.raises(QRecoverError, match="metrics.kl.scale.*must be one of ratio, nats, fraction"):
+        Results.from_dict(bad)

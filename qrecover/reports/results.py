@@ -41,6 +41,7 @@ from ..errors import QRecoverError
 
 SCHEMA_VERSION = 1
 KINDS = ("original", "quantized", "recovered")
+SCALES = ("ratio", "nats", "fraction")
 
 
 def _doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - the help text lives with the field, as in peft
@@ -66,6 +67,9 @@ class Metric:
     stderr: float | None = _doc(None, "standard error of `value` (lm-eval's bootstrap/analytic stderr), or null if unknown")
     higher_is_better: bool = _doc(True, "False for perplexity, KL divergence and other losses")
     settings: dict[str, Any] = _doc(None, "the protocol: num_fewshot, limit, seq_len, ...; compared only with identical settings")
+    scale: str = _doc("ratio", "how the report normalises it: 'ratio' (value/baseline, or baseline/value when lower is "
+                      "better), 'nats' (a divergence in nats, baseline 0: exp(baseline - value)), 'fraction' (a rate "
+                      "whose baseline is 0, e.g. answer flips: 1 - (value - baseline))")
 
     def __post_init__(self) -> None:
         if self.settings is None:
@@ -118,6 +122,7 @@ class Results:
                 "versions": dict(r.versions),
             },
             "metrics": {n: {"value": m.value, "stderr": m.stderr, "higher_is_better": m.higher_is_better,
+                            **({} if m.scale == "ratio" else {"scale": m.scale}),
                             "settings": dict(m.settings)} for n, m in self.metrics.items()},
         }
         if self.skipped:  # optional key: files without skipped metrics stay as they were
@@ -205,7 +210,13 @@ class Results:
             if not isinstance(m["higher_is_better"], bool):
                 v.fail(f"{key}.higher_is_better", f"must be true or false, got {m['higher_is_better']!r}")
             v.obj(m["settings"], f"{key}.settings")
-            metrics[name] = Metric(value=value, stderr=stderr, higher_is_better=m["higher_is_better"], settings=dict(m["settings"]))
+            scale = m.get("scale", "ratio")
+            if scale not in SCALES:
+                v.fail(f"{key}.scale", f"is {scale!r}, must be one of {', '.join(SCALES)}")
+            if scale != "ratio" and m["higher_is_better"]:
+                v.fail(f"{key}.scale", f"{scale!r} is for lower-is-better metrics (divergences, flip rates)")
+            metrics[name] = Metric(value=value, stderr=stderr, higher_is_better=m["higher_is_better"],
+                                   settings=dict(m["settings"]), scale=scale)
         run = RunInfo(model=model, kind=kind, measured_bpw=bpw, adapter=adapter, manifest_sha256=sha, versions=dict(versions))
         return cls(run=run, metrics=metrics, skipped=dict(skipped), schema_version=version, source=source)
 

@@ -6,7 +6,11 @@ Pure functions of :class:`~qrecover.reports.results.Results`: one :class:`Row` p
 The ratio is oriented so that **below 1 (100%) always means worse than the unquantized model**:
 
 * higher-is-better metrics (accuracy, win rate): ``ratio = v / b``
-* lower-is-better metrics (perplexity, KL divergence): ``ratio = b / v``
+* lower-is-better metrics (perplexity): ``ratio = b / v``
+* divergences in nats whose baseline is 0 (KL to the unquantized model, ``scale="nats"``):
+  ``ratio = exp(b - v)``, the same rule as perplexity applied to log-likelihoods (ppl ratio = exp(nll_b - nll_v))
+* rates whose baseline is 0 (answer flips against the unquantized model, ``scale="fraction"``):
+  ``ratio = 1 - (v - b)``, i.e. the agreement
 
 where ``v`` is the run's value and ``b`` the baseline's. Its standard error is propagated to first order,
 treating the two measurements as independent (the relative errors add in quadrature, for either
@@ -34,8 +38,9 @@ from ..errors import QRecoverError
 from .results import Metric, Results
 
 RATIO_NOTE = ("Each cell is a percentage of the unquantized model's score: value / baseline for "
-              "higher-is-better metrics, baseline / value for lower-is-better ones (perplexity, KL), "
-              "so below 100% always means worse. ± is one standard error of the raw score; the ratio's own "
+              "higher-is-better metrics, baseline / value for lower-is-better ones (perplexity); "
+              "exp(-KL) for the KL divergence to the unquantized model (nats) and 1 - flip rate for answer flips, "
+              "whose unquantized value is 0; so below 100% always means worse. ± is one standard error of the raw score; the ratio's own "
               "standard error (first-order propagation) is in report.json as ratio_stderr.")
 
 _KIND_ORDER = {"original": 0, "quantized": 1, "recovered": 2}
@@ -81,6 +86,14 @@ class Row:
 def ratio_of(m: Metric, base: Metric, name: str = "metric") -> tuple[float, float | None]:
     """``(ratio, ratio_stderr)`` of ``m`` against ``base``, oriented so below 1 is worse (see module doc)."""
     v, b = m.value, base.value
+    if m.scale != base.scale:
+        raise QRecoverError(f"metric {name!r}: scale {m.scale!r} in the run but {base.scale!r} in the baseline")
+    if m.scale in ("nats", "fraction"):  # divergences and flip rates: the unquantized model scores 0
+        ratio = math.exp(b - v) if m.scale == "nats" else 1.0 - (v - b)
+        if m.stderr is None or base.stderr is None:
+            return ratio, None
+        spread = math.hypot(m.stderr, base.stderr)
+        return ratio, (ratio * spread if m.scale == "nats" else spread)
     if m.higher_is_better:
         if b == 0:
             raise QRecoverError(f"metric {name!r}: baseline value is 0, the ratio value/baseline is undefined")
