@@ -9,7 +9,9 @@ import typer
 from ..errors import QRecoverError
 from . import compress as _compress, info as _info, ppl as _ppl
 from . import gate as _gate, report as _report
+from . import eval as _eval
 from . import finetune as _finetune, recover as _recover
+from . import pipeline as _pipeline
 
 app = typer.Typer(
     name="qrecover",
@@ -23,8 +25,10 @@ app.command("recover", epilog=_recover.EXAMPLES)(_recover.recover)
 app.command("finetune", epilog=_finetune.EXAMPLES)(_finetune.finetune)
 app.command("info", epilog=_info.EXAMPLES)(_info.info)
 app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
+app.command("eval", epilog=_eval.EXAMPLES)(_eval.eval_)
 app.command("report", epilog=_report.EXAMPLES)(_report.report)
 app.command("gate", epilog=_gate.EXAMPLES)(_gate.gate)
+app.command("pipeline", epilog=_pipeline.EXAMPLES)(_pipeline.pipeline)
 
 
 def main(argv: list[str] | None = None) -> None:

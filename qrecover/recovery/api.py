@@ -88,12 +88,14 @@ def load_teacher(manifest: dict[str, Any]) -> torch.nn.Module:
 
 
 def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | None,
-                 data: str | None = None) -> Any:
+                 data: str | None = None, generator: Any = None, show_progress: bool = True) -> Any:
+    """The packed data stream; ``generator`` is the unquantized instruct model (or its spec) for self-generated
+    chat sources."""
     from .mix import MixLoader, load_mix, single_source_mix
 
     mix = single_source_mix(data) if data is not None else load_mix(mix_path or cfg.mix or default_mix_path())
     return MixLoader(mix, tokenizer, seq_len=cfg.seq_len, total_tokens=total_tokens, seed=cfg.seed,
-                     decontaminate=cfg.decontaminate)
+                     decontaminate=cfg.decontaminate, model=generator, show_progress=show_progress)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -156,7 +158,9 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from .train import total_steps
 
-    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, cfg.mix)
+    generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
+    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, cfg.mix,
+                          generator=generator, show_progress=show_progress)
     summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
                     callback=callback, description=f"recover r{cfg.rank}")
     if not summary["is_main_process"]:
@@ -206,7 +210,8 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from .train import total_steps
 
-    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, None, data=data)
+    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, None, data=data,
+                          show_progress=show_progress)
     summary = train(peft_model, cfg, loader, out, resume=resume, show_progress=show_progress, description="finetune")
     if not summary["is_main_process"]:
         return {}

@@ -1,0 +1,1022 @@
+"""The training data mixture: a recipe of weighted sources, and a streaming loader that packs them.
+
+**Recipe** (TOML, :class:`Mix` / :class:`Source`): a list of ``[[source]]`` tables, each a name, a kind and a
+token weight. Weights are normalised to fractions of the run's token budget (phi-4 §3.2: "fraction of
+training" per source). Kinds and their keys are in :data:`KIND_KEYS`; ``path`` is relative to the recipe.
+
+**Loader** (:class:`MixLoader`): yields ``{"input_ids": (seq_len,) int64, "labels": (seq_len,) int64, "source":
+name}``. Every sequence is ``seq_len`` tokens of *one* source, packed from consecutive documents (EOS after
+each text document; a chat document is closed by its template's end-of-turn token). ``labels`` equal
+``input_ids`` (the trainer shifts), ``-100`` where no loss is taken (non-assistant chat tokens).
+
+* **Exact shares.** The run has ``N = total_tokens // seq_len`` sequences; source ``i`` gets ``t_i`` of them,
+  ``t_i`` the largest-remainder rounding of ``N * fraction_i`` (so ``sum t_i = N`` and each ``t_i`` is within
+  one sequence of its exact share). The next sequence comes from the source furthest below its target
+  line, ``argmax_i t_i * (k + 1) - c_i * N`` in integers (ties: recipe order); a source at its target is
+  never picked, so at the end ``c_i = t_i`` exactly, and at every step ``|c_i - t_i k / N| < 1``.
+* **Epochs.** A source that runs out of documents starts its next epoch, documents reshuffled by a
+  generator seeded with ``(seed, source name, epoch)`` (parquet: row groups shuffled, then rows inside
+  each, so each row group is read once per epoch).
+* **Plan** (:meth:`MixLoader.plan`): per source, unique tokens (one streaming pass, cached in
+  ``cache_dir()/mix-plan`` by content hash + tokenizer + decontamination index), target tokens and
+  ``epochs = target / unique``: the arithmetic of phi-4's Table 5.
+* **Resume.** :meth:`MixLoader.state_dict` is the exact data position: per source the epoch, the position in
+  that epoch's order, the token offset inside the current document, and the counters. The shuffles are
+  functions of ``(seed, name, epoch)``, so there is no hidden RNG state; a loader restored with
+  :meth:`MixLoader.load_state_dict` yields exactly the sequences an uninterrupted one would.
+* **Decontamination** (``exclude=`` an index, or ``decontaminate=True``): documents that overlap the
+  evaluation sets are dropped (long texts: only their contaminated passages); :meth:`plan` scans every
+  document *before* training and the report lists each removal with the evaluation item and the
+  overlapping n-gram (see :mod:`.decontam`).
+
+Nothing loads a whole corpus: documents are read one at a time through small indexes (file lists, line
+offsets of jsonl files, paragraph offsets of a single text file, parquet row groups, a streaming dataset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..data import SPLITS, _bucket, source_files
+from ..errors import QRecoverError
+from ..io_utils import cache_dir, sha256_file
+from ..schemes.base import doc_field
+from .chat import IGNORE, encode_chat
+
+KINDS = ("text", "jsonl", "parquet", "hf", "builtin", "selfgen")
+COMMON_KEYS = ("name", "kind", "weight")
+KIND_KEYS: dict[str, tuple[str, ...]] = {
+    "text": ("path", "split", "max_documents"),
+    "jsonl": ("path", "field", "messages_field", "max_documents"),
+    "parquet": ("path", "field", "messages_field", "max_documents"),
+    "hf": ("dataset", "config", "split", "data_files", "revision", "field", "messages_field", "max_documents", "shuffle_buffer"),
+    "builtin": ("max_documents",),
+    "selfgen": ("samples", "max_new_tokens", "temperature", "top_p", "seed", "model", "batch_size", "prompt_mode"),
+}
+PLAN_VERSION = 1
+STATE_VERSION = 1
+
+Doc = "str | list[dict]"  # a text, or a chat: a list of {role, content} messages
+
+
+@dataclass
+class Source:
+    """One data source of a mix; which keys apply depends on ``kind`` (:data:`KIND_KEYS`)."""
+
+    name: str = doc_field(None, "unique name; it labels the source's sequences and report rows")
+    kind: str = doc_field(None, "text | jsonl | parquet | hf | builtin | selfgen")
+    weight: float = doc_field(None, "share of the training tokens (normalised over the sources; >= 0)")
+    path: str | None = doc_field(None, "text/jsonl/parquet: a file, a directory or a glob (relative to the recipe file)")
+    split: str | None = doc_field(None, "text: one of eval/calib/train (the path-hash split of qrecover.data; None = every file); "
+                                        "hf: the dataset split (default 'train')")
+    field: str = doc_field("text", "jsonl/parquet/hf: the field holding a document's text")
+    messages_field: str = doc_field("messages", "jsonl/parquet/hf: the field holding a chat (list of {role, content}); it wins over `field` when present")
+    dataset: str | None = doc_field(None, "hf: dataset name on the Hub (or a local builder such as 'json' with data_files)")
+    config: str | None = doc_field(None, "hf: dataset configuration name")
+    data_files: str | None = doc_field(None, "hf: data files for a builder dataset ('json', 'parquet', ...)")
+    revision: str | None = doc_field(None, "hf: dataset revision (pin it for reproducible runs)")
+    max_documents: int | None = doc_field(None, "use only the first N documents (in the source's fixed order)")
+    shuffle_buffer: int = doc_field(10_000, "hf: shuffle buffer of the streaming dataset")
+    samples: int = doc_field(256, "selfgen: conversations to generate")
+    max_new_tokens: int = doc_field(192, "selfgen: answer length cap (answers cut there are marked truncated)")
+    temperature: float = doc_field(0.0, "selfgen: 0 = greedy decoding; > 0 = seeded sampling")
+    top_p: float = doc_field(1.0, "selfgen: nucleus sampling mass (with temperature > 0)")
+    seed: int = doc_field(0, "selfgen: seed of the topic order and of sampling")
+    model: str | None = doc_field(None, "selfgen: the instruct model that writes the data (None = the loader's `model`, else the built-in default)")
+    batch_size: int = doc_field(16, "selfgen: prompts generated together")
+    prompt_mode: str = doc_field("template", "selfgen: 'template' (instruction templates filled with topics) or 'model' (the model writes the requests)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys that apply to this kind, None values left out."""
+        keys = COMMON_KEYS + KIND_KEYS.get(self.kind, ())
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "kind": (str,), "weight": (int, float), "path": (str,), "split": (str,), "field": (str,),
+    "messages_field": (str,), "dataset": (str,), "config": (str,), "data_files": (str,), "revision": (str,),
+    "max_documents": (int,), "shuffle_buffer": (int,), "samples": (int,), "max_new_tokens": (int,),
+    "temperature": (int, float), "top_p": (int, float), "seed": (int,), "model": (str,), "batch_size": (int,),
+    "prompt_mode": (str,),
+}
+
+
+def _source_from_dict(d: Any, i: int) -> Source:
+    where = f"source #{i + 1}"
+    if not isinstance(d, dict):
+        raise QRecoverError(f"{where} must be a table ([[source]] with name, kind, weight), got {d!r:.80}")
+    for k in COMMON_KEYS:
+        if k not in d:
+            raise QRecoverError(f"{where} ({d.get('name', 'unnamed')!r}) lacks the key {k!r}; every source needs name, kind and weight")
+    where = f"source {d['name']!r}"
+    if d["kind"] not in KINDS:
+        raise QRecoverError(f"{where}: unknown kind {d['kind']!r}; choose from {list(KINDS)}")
+    allowed = COMMON_KEYS + KIND_KEYS[d["kind"]]
+    for k, v in d.items():
+        if k not in allowed:
+            raise QRecoverError(f"{where} (kind {d['kind']!r}): unknown key {k!r}; allowed keys: {', '.join(allowed)}")
+        if isinstance(v, bool) or not isinstance(v, _TYPES[k]):
+            want = " or ".join(t.__name__ for t in _TYPES[k])
+            raise QRecoverError(f"{where}: {k} = {v!r} must be a {want}")
+    src = Source(**d)
+    src.weight = float(src.weight)
+    if not math.isfinite(src.weight) or src.weight < 0:
+        raise QRecoverError(f"{where}: weight = {d['weight']!r} must be a finite number >= 0")
+    if not src.name.strip():
+        raise QRecoverError(f"source #{i + 1}: name must not be empty")
+    if src.kind in ("text", "jsonl", "parquet") and not src.path:
+        raise QRecoverError(f"{where} (kind {src.kind!r}) needs a path: a file, a directory or a glob")
+    if src.kind == "text" and src.split is not None and src.split not in SPLITS:
+        raise QRecoverError(f"{where}: split = {src.split!r} must be one of {list(SPLITS)} (or left out for every file)")
+    if src.kind == "hf" and not src.dataset:
+        raise QRecoverError(f"{where} (kind 'hf') needs dataset = \"owner/name\" (and optionally config, split, revision)")
+    for k in ("max_documents", "shuffle_buffer", "samples", "max_new_tokens", "batch_size"):
+        if k in d and d[k] <= 0:
+            raise QRecoverError(f"{where}: {k} = {d[k]} must be a positive integer")
+    if src.kind == "selfgen" and src.prompt_mode not in ("template", "model"):
+        raise QRecoverError(f"{where}: prompt_mode = {src.prompt_mode!r} must be 'template' or 'model'")
+    if src.kind == "selfgen" and not (src.temperature >= 0 and 0 < src.top_p <= 1):
+        raise QRecoverError(f"{where}: temperature = {src.temperature} must be >= 0 and top_p = {src.top_p} in (0, 1]")
+    return src
+
+
+@dataclass
+class Mix:
+    """A data-mix recipe: weighted sources. ``base_dir`` (not saved) resolves relative paths."""
+
+    sources: list[Source] = doc_field(None, "the sources, in recipe order (ties in scheduling go to the earlier one)")
+    description: str = doc_field("", "free text: what this mix is for")
+    base_dir: str | None = dataclasses.field(default=None, repr=False, compare=False,
+                                              metadata={"help": "directory that relative paths are resolved against (the recipe's)"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, check_paths: bool = True) -> None:
+        """Raise QRecoverError on duplicate names, weights that do not sum to a positive value, missing files."""
+        if not self.sources:
+            raise QRecoverError("the mix has no sources; add at least one [[source]] table with name, kind and weight")
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise QRecoverError(f"source names must be unique; {dup} appear more than once")
+        total = sum(s.weight for s in self.sources)
+        if not total > 0:
+            raise QRecoverError(f"the source weights {dict(zip(names, [s.weight for s in self.sources]))} sum to {total}; "
+                                "give at least one source a positive weight")
+        if check_paths:
+            for s in self.sources:
+                if s.kind in ("text", "jsonl", "parquet"):
+                    _list_files(s, self.base_dir)
+                elif s.kind == "builtin":
+                    source_files("python-docs")
+
+    def fractions(self) -> dict[str, float]:
+        """Each source's share of the training tokens: weight / sum of weights."""
+        total = sum(s.weight for s in self.sources)
+        return {s.name: s.weight / total for s in self.sources}
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"description": self.description} if self.description else {}
+        return {**d, "source": [s.to_dict() for s in self.sources]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], base_dir: str | os.PathLike | None = None) -> Mix:
+        if not isinstance(d, dict):
+            raise QRecoverError(f"a mix is a table with [[source]] entries, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"description", "source"})
+        if unknown:
+            raise QRecoverError(f"unknown top-level key(s) {unknown} in the mix; allowed keys: description, source")
+        sources = d.get("source")
+        if not isinstance(sources, list) or not sources:
+            raise QRecoverError("the mix has no sources; add at least one [[source]] table with name, kind and weight")
+        if not isinstance(d.get("description", ""), str):
+            raise QRecoverError(f"description = {d['description']!r} must be a string")
+        return cls([_source_from_dict(s, i) for i, s in enumerate(sources)], d.get("description", ""),
+                   str(base_dir) if base_dir is not None else None)
+
+    def to_toml(self) -> str:
+        lines = [f"description = {_toml_value(self.description)}", ""] if self.description else []
+        for s in self.sources:
+            lines.append("[[source]]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in s.to_dict().items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.to_toml())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> Mix:
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise QRecoverError(f"mix recipe {str(path)!r} does not exist; pass a TOML file with [[source]] tables")
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                raise QRecoverError("reading a TOML recipe on Python 3.10 needs `pip install tomli`") from None
+        try:
+            d = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise QRecoverError(f"mix recipe {str(path)!r} is not valid TOML: {e}") from None
+        return cls.from_dict(d, base_dir=path.resolve().parent)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def load_mix(recipe: str | os.PathLike | Mix) -> Mix:
+    """A :class:`Mix` from a TOML path (or a Mix, returned as is)."""
+    return recipe if isinstance(recipe, Mix) else Mix.from_toml(recipe)
+
+
+def single_source_mix(data: str, name: str = "data") -> Mix:
+    """A one-source mix for ``data``: 'python-docs' (built in), a .jsonl/.parquet file (or a directory or glob
+    of them), or text files. Relative paths are relative to the working directory."""
+    if data == "python-docs":
+        return Mix([Source(name=name, kind="builtin", weight=1.0)])
+    p = Path(data).expanduser()
+    suffixes = {f.suffix for f in p.rglob("*") if f.is_file()} if p.is_dir() else {Path(data).suffix}
+    kind = "jsonl" if suffixes == {".jsonl"} else "parquet" if suffixes == {".parquet"} else "text"
+    return Mix([Source(name=name, kind=kind, weight=1.0, path=data)], base_dir=os.getcwd())
+
+
+# --- documents ------------------------------------------------------------------------------------------
+
+
+def _resolve(path: str, base_dir: str | None) -> str:
+    p = os.path.expanduser(path)
+    return p if os.path.isabs(p) or base_dir is None else os.path.join(base_dir, p)
+
+
+def _list_files(src: Source, base_dir: str | None) -> list[Path]:
+    """The files of a text/jsonl/parquet source (sorted), or a QRecoverError when the path matches nothing."""
+    where = f"source {src.name!r}: path {src.path!r}"
+    p = Path(_resolve(src.path, base_dir))
+    if src.kind == "text":  # the same file listing (and so the same splits) as --calib-data
+        try:
+            files = source_files(str(p))[1]
+        except QRecoverError:
+            files = []
+        if not files:
+            raise QRecoverError(f"{where} matches no files (resolved to {str(p)!r}); pass an existing file, directory or glob")
+        return files
+    ext = {"jsonl": ".jsonl", "parquet": ".parquet"}.get(src.kind)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(x.startswith(".") for x in f.relative_to(p).parts))
+        if ext:
+            files = [f for f in files if f.name.endswith(ext)]
+        if not files:
+            raise QRecoverError(f"{where} is a directory with no {ext or ''} files".replace("  ", " ") + "; point it at your data")
+        return files
+    if p.is_file():
+        return [p]
+    files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+    if not files:
+        raise QRecoverError(f"{where} matches no files (resolved to {str(p)!r}); pass an existing file, directory or glob")
+    return files
+
+
+class _Docs:
+    """Documents of one source in a fixed base order, read one at a time.
+
+    ``len``: number of documents; ``get(i)``: the i-th (a text or a messages list); ``doc_id(i)``: a stable
+    name for reports; ``files``: what the content hash covers; ``order(epoch, seed)``: the epoch's order.
+    """
+
+    files: list[Path] = []
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def get(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def doc_id(self, i: int) -> str:
+        return str(i)
+
+    def order(self, epoch: int, seed: int) -> np.ndarray:
+        return np.random.default_rng([seed, epoch]).permutation(len(self))
+
+    def close(self) -> None:
+        pass
+
+
+class _FileDocs(_Docs):
+    """One document per file."""
+
+    def __init__(self, files: list[tuple[str, Path]]):
+        self.items = files
+        self.files = [p for _, p in files]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, i: int) -> str:
+        return self.items[i][1].read_text(errors="replace")
+
+    def doc_id(self, i: int) -> str:
+        return self.items[i][0]
+
+
+class _ParagraphDocs(_Docs):
+    """One document per blank-line-separated paragraph of one file (as :func:`qrecover.data.documents`),
+    found by a streaming pass that keeps only byte offsets."""
+
+    def __init__(self, path: Path, split: str | None):
+        self.path, self.files = path, [path]
+        starts, ends, keys = [], [], []
+        n = 0
+        for start, end, text in self._paragraphs(path):
+            if not text.strip():
+                continue
+            if split is not None:
+                b, h = _bucket(f"{n}:{text[:64]}")
+                n += 1
+                if b not in SPLITS[split]:
+                    continue
+                keys.append(h)
+            starts.append(start), ends.append(end)
+        order = np.argsort(np.asarray(keys), kind="stable") if split is not None else np.arange(len(starts))
+        self.spans = np.stack([np.asarray(starts, np.int64), np.asarray(ends, np.int64)], 1)[order] if starts else np.zeros((0, 2), np.int64)
+
+    @staticmethod
+    def _paragraphs(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, int, str]]:
+        with open(path, "rb") as f:
+            buf, base = b"", 0
+            while True:
+                block = f.read(chunk)
+                buf += block
+                parts = buf.split(b"\n\n")
+                done = parts if not block else parts[:-1]
+                for part in done:
+                    yield base, base + len(part), part.decode("utf-8", errors="replace")
+                    base += len(part) + 2
+                if not block:
+                    return
+                buf = parts[-1]
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def get(self, i: int) -> str:
+        start, end = (int(x) for x in self.spans[i])
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start).decode("utf-8", errors="replace")
+
+    def doc_id(self, i: int) -> str:
+        return f"{self.path.name}@{int(self.spans[i][0])}"
+
+
+def _row_doc(row: dict, src: Source, where: str) -> Any:
+    if src.messages_field in row and row[src.messages_field] is not None:
+        return row[src.messages_field] if isinstance(row[src.messages_field], list) else list(row[src.messages_field])
+    if src.field in row and isinstance(row[src.field], str):
+        return row[src.field]
+    raise QRecoverError(f"{where} has neither a text field {src.field!r} nor a chat field {src.messages_field!r} "
+                        f"(its fields: {sorted(row)[:12]}); set field = / messages_field = in the source")
+
+
+class _JsonlDocs(_Docs):
+    """One document per non-empty line; the index is the byte offset of each line."""
+
+    def __init__(self, files: list[Path], src: Source):
+        self.files, self.src = files, src
+        fidx, offs = [], []
+        for k, path in enumerate(files):
+            pos = 0
+            with open(path, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        fidx.append(k), offs.append(pos)
+                    pos += len(line)
+        self.fidx, self.offs = np.asarray(fidx, np.int32), np.asarray(offs, np.int64)
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def get(self, i: int) -> Any:
+        k = int(self.fidx[i])
+        f = self._handles.get(k) or self._handles.setdefault(k, open(self.files[k], "rb"))
+        f.seek(int(self.offs[i]))
+        line = f.readline()
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QRecoverError(f"{self.doc_id(i)} is not valid JSON ({e}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise QRecoverError(f"{self.doc_id(i)} must be a JSON object with a {self.src.field!r} or "
+                                f"{self.src.messages_field!r} field, got {type(row).__name__}")
+        return _row_doc(row, self.src, self.doc_id(i))
+
+    def doc_id(self, i: int) -> str:
+        k, off = int(self.fidx[i]), int(self.offs[i])
+        return f"{self.files[k].name}@{off}"
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+
+class _ParquetDocs(_Docs):
+    """One document per row; read a row group at a time (the epoch order shuffles row groups, then rows)."""
+
+    def __init__(self, files: list[Path], src: Source):
+        import pyarrow.parquet as pq
+
+        self.files, self.src = files, src
+        groups, self.column = [], None
+        for k, path in enumerate(files):
+            pf = pq.ParquetFile(path)
+            names = pf.schema_arrow.names
+            col = src.messages_field if src.messages_field in names else src.field if src.field in names else None
+            if col is None:
+                raise QRecoverError(f"source {src.name!r}: {path.name} has neither a column {src.field!r} nor "
+                                    f"{src.messages_field!r} (columns: {names[:12]}); set field = / messages_field =")
+            if self.column not in (None, col):
+                raise QRecoverError(f"source {src.name!r}: files mix text and chat columns; use one kind per source")
+            self.column = col
+            in_file = 0
+            for g in range(pf.metadata.num_row_groups):
+                rows = pf.metadata.row_group(g).num_rows
+                groups.append((k, g, rows, in_file))  # file, row group, rows, first row's number in the file
+                in_file += rows
+        self.groups = groups
+        self.starts = np.cumsum([0] + [g[2] for g in groups])
+        self._cache: tuple[int, list] | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _group(self, gi: int) -> list:
+        if self._cache is None or self._cache[0] != gi:
+            import pyarrow.parquet as pq
+
+            k, g, _, _ = self.groups[gi]
+            self._cache = (gi, pq.ParquetFile(self.files[k]).read_row_group(g, columns=[self.column]).column(0).to_pylist())
+        return self._cache[1]
+
+    def get(self, i: int) -> Any:
+        gi = int(np.searchsorted(self.starts, i, side="right")) - 1
+        value = self._group(gi)[i - int(self.starts[gi])]
+        return _row_doc({self.column: value}, self.src, self.doc_id(i))
+
+    def doc_id(self, i: int) -> str:
+        gi = int(np.searchsorted(self.starts, i, side="right")) - 1
+        k, _, _, in_file = self.groups[gi]
+        return f"{self.files[k].name}#{in_file + i - int(self.starts[gi])}"
+
+    def order(self, epoch: int, seed: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, epoch])
+        parts = [int(self.starts[g]) + rng.permutation(int(self.starts[g + 1] - self.starts[g]))
+                 for g in rng.permutation(len(self.groups))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class _Limited(_Docs):
+    """The first ``n`` documents of another source."""
+
+    def __init__(self, inner: _Docs, n: int):
+        self.inner, self.n, self.files = inner, min(n, len(inner)), inner.files
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int) -> Any:
+        return self.inner.get(i)
+
+    def doc_id(self, i: int) -> str:
+        return self.inner.doc_id(i)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def split_files(source: str, split: str) -> list[tuple[str, Path]]:
+    """``[(relative path, path)]`` of one split of a multi-file text source, in hash order (as qrecover.data)."""
+    root, files = source_files(source)
+    keyed = [(_bucket(str(f.relative_to(root))), str(f.relative_to(root)), f) for f in files]
+    keyed.sort(key=lambda k: k[0][1])  # by the path's hash alone, as qrecover.data.documents
+    return [(rel, f) for (b, _), rel, f in keyed if b in SPLITS[split]]
+
+
+def text_docs(source: str, split: str | None = None) -> _Docs:
+    """Documents of a text source (``python-docs``, a directory, file or glob), optionally one split of it:
+    one per file, or one per paragraph when the source is a single file."""
+    if split is not None and split not in SPLITS:
+        raise QRecoverError(f"unknown split {split!r}; choose from {list(SPLITS)}")
+    root, files = source_files(source)
+    if len(files) == 1 and source != "python-docs":
+        return _ParagraphDocs(files[0], split)
+    if split is None:
+        return _FileDocs([(str(f.relative_to(root)), f) for f in files])
+    return _FileDocs(split_files(source, split))
+
+
+class _HFDocs:
+    """A streaming Hugging Face dataset: no random access; an epoch is ``shuffle(seed).set_epoch(epoch).skip(pos)``."""
+
+    def __init__(self, src: Source):
+        self.src = src
+        self._ds = None
+
+    def open(self):
+        if self._ds is None:
+            src = self.src
+            try:
+                import datasets
+            except ImportError:
+                raise QRecoverError(f"source {src.name!r} (kind 'hf') needs `pip install datasets`") from None
+            try:
+                ds = datasets.load_dataset(src.dataset, src.config, split=src.split or "train", data_files=src.data_files,
+                                           revision=src.revision, streaming=True)
+            except Exception as e:  # the Hub client raises ConnectionError, OSError, ValueError, ...
+                raise QRecoverError(
+                    f"source {src.name!r}: cannot open the Hugging Face dataset {src.dataset!r} (config={src.config!r}, "
+                    f"split={src.split or 'train'!r}): {type(e).__name__}: {str(e)[:300]}. If the Hub is unreachable from "
+                    "this machine, download the data elsewhere and use kind = \"jsonl\" or \"parquet\" with a local path") from e
+            self._ds = ds.take(src.max_documents) if src.max_documents else ds
+        return self._ds
+
+    def epoch(self, epoch: int, seed: int, start: int) -> Iterator[Any]:
+        ds = self.open().shuffle(seed=seed, buffer_size=self.src.shuffle_buffer)
+        ds.set_epoch(epoch)
+        for pos, row in enumerate(ds.skip(start) if start else ds, start):
+            yield _row_doc(row, self.src, f"source {self.src.name!r} row {pos} of epoch {epoch}")
+
+    def scan(self) -> Iterator[tuple[str, Any]]:
+        for pos, row in enumerate(self.open()):
+            yield str(pos), _row_doc(row, self.src, f"source {self.src.name!r} row {pos}")
+
+
+# --- tokenization ---------------------------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary/merges, chat template and EOS."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    h.update(str(tokenizer.eos_token_id).encode())
+    return h.hexdigest()
+
+
+def encode_document(tokenizer: Any, doc: Any, where: str = "document") -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one document: a text -> its tokens + EOS, all labelled; a chat -> its
+    template render, labelled on assistant tokens (:func:`.chat.encode_chat`). Empty text -> ``([], [])``."""
+    if isinstance(doc, str):
+        if not doc.strip():
+            return [], []
+        ids = list(tokenizer(doc, add_special_tokens=False, verbose=False)["input_ids"]) + [tokenizer.eos_token_id]
+        return ids, list(ids)
+    return encode_chat(tokenizer, doc, where)
+
+
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+# --- the loader -----------------------------------------------------------------------------------------
+
+
+class _Cursor:
+    """The read position of one source: epoch, position in the epoch's order, token offset in that document."""
+
+    def __init__(self, loader: MixLoader, src: Source):
+        self.loader, self.src = loader, src
+        self.seed = _name_seed(loader.seed, src.name)
+        self.epoch = self.pos = self.offset = 0
+        self.sequences = self.tokens = self.loss_tokens = self.documents = 0
+        self._docs: _Docs | _HFDocs | None = None
+        self._order: tuple[int, np.ndarray] | None = None
+        self._hf_iter: tuple[int, int, Iterator] | None = None  # (epoch, next position, iterator)
+        self._cur: tuple[list[int], list[int]] | None = None
+        self.live_report = None  # decontamination verdicts of streamed (hf) documents
+
+    @property
+    def docs(self) -> _Docs | _HFDocs:
+        if self._docs is None:
+            self._docs = self.loader._open_docs(self.src)
+        return self._docs
+
+    def state(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in ("epoch", "pos", "offset", "sequences", "tokens", "loss_tokens", "documents")}
+
+    def restore(self, st: dict[str, int]) -> None:
+        for k, v in st.items():
+            setattr(self, k, int(v))
+        self._cur, self._hf_iter = None, None
+
+    def _doc_at(self, epoch: int, pos: int) -> tuple[Any, Any] | None:
+        """``(base index or id, document)`` at ``pos`` of ``epoch``'s order, None past the end."""
+        docs = self.docs
+        if isinstance(docs, _HFDocs):
+            if self._hf_iter is None or self._hf_iter[:2] != (epoch, pos):
+                self._hf_iter = (epoch, pos, docs.epoch(epoch, self.seed, pos))
+            doc = next(self._hf_iter[2], None)
+            self._hf_iter = (epoch, pos + 1, self._hf_iter[2])
+            return None if doc is None else (f"epoch{epoch}:{pos}", doc)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, docs.order(epoch, self.seed))
+        order = self._order[1]
+        if pos >= len(order):
+            return None
+        i = int(order[pos])
+        return i, docs.get(i)
+
+    def _load(self) -> None:
+        """Make ``_cur`` the tokens of the document at (epoch, pos), skipping empty and dropped documents."""
+        wraps = 0
+        while True:
+            item = self._doc_at(self.epoch, self.pos)
+            if item is None:
+                wraps += 1
+                if wraps > 1 or (self.pos == 0 and self.epoch == 0):
+                    raise QRecoverError(f"source {self.src.name!r} has no usable documents (empty, or all dropped by "
+                                        "decontamination); remove it from the mix or give it weight 0")
+                self.epoch, self.pos, self.offset = self.epoch + 1, 0, 0
+                continue
+            key, doc = item
+            doc = self.loader._decontaminated(self, key, doc)
+            if doc is None:
+                self.pos, self.offset = self.pos + 1, 0
+                continue
+            ids, labels = encode_document(self.loader.tokenizer, doc, f"source {self.src.name!r} document {key}")
+            if not ids:
+                self.pos, self.offset = self.pos + 1, 0
+                continue
+            if self.offset == 0:
+                self.documents += 1
+            self._cur = (ids, labels)
+            return
+
+    def take(self, n: int) -> tuple[list[int], list[int]]:
+        """The next ``n`` tokens of this source's stream (documents back to back), and their labels."""
+        ids: list[int] = []
+        labels: list[int] = []
+        while len(ids) < n:
+            if self._cur is None:
+                self._load()
+            cur_ids, cur_labels = self._cur
+            end = min(len(cur_ids), self.offset + n - len(ids))
+            ids += cur_ids[self.offset : end]
+            labels += cur_labels[self.offset : end]
+            self.offset = end
+            if self.offset >= len(cur_ids):  # document finished: the canonical state points at the next one
+                self._cur, self.pos, self.offset = None, self.pos + 1, 0
+        return ids, labels
+
+
+def apportion(n: int, fractions: list[float]) -> list[int]:
+    """Integers summing to ``n`` closest to ``n * fractions`` (largest remainder; ties to the earlier one)."""
+    exact = [n * f for f in fractions]
+    out = [math.floor(x) for x in exact]
+    rest = n - sum(out)
+    for i in sorted(range(len(exact)), key=lambda i: (-(exact[i] - out[i]), i))[:rest]:
+        out[i] += 1
+    return out
+
+
+class MixLoader:
+    """Packed training sequences from a :class:`Mix`; see the module docstring.
+
+    ``mix``: a Mix or a recipe path. ``tokenizer``: the training model's (fast) tokenizer. ``seq_len``:
+    tokens per sequence. ``total_tokens``: the run's token budget (``total_tokens // seq_len`` sequences).
+    ``seed``: shuffling seed. ``exclude``: a :class:`.decontam.DecontamIndex` whose overlapping documents
+    are dropped; ``decontaminate=True`` builds the default one (every evaluation set). ``model``: the
+    unquantized instruct model (a spec or an ``nn.Module``) for ``selfgen`` sources that name none.
+    """
+
+    def __init__(self, mix: Mix | str | os.PathLike, tokenizer: Any, seq_len: int, total_tokens: int, seed: int = 0,
+                 exclude: Any = None, *, decontaminate: bool = False, model: Any = None, show_progress: bool = True):
+        self.mix = load_mix(mix)
+        for name, v in (("seq_len", seq_len), ("total_tokens", total_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise QRecoverError(f"{name}={v!r} must be a positive integer")
+        if total_tokens < seq_len:
+            raise QRecoverError(f"total_tokens={total_tokens} is less than one sequence (seq_len={seq_len}); raise the token budget")
+        if tokenizer.eos_token_id is None:
+            raise QRecoverError("the tokenizer has no eos_token, needed between packed documents; set tokenizer.eos_token")
+        if exclude is not None and decontaminate:
+            raise QRecoverError("pass either exclude=INDEX or decontaminate=True, not both")
+        self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
+        self.num_sequences = total_tokens // seq_len
+        self.total_tokens = self.num_sequences * seq_len
+        self.targets = dict(zip([s.name for s in self.mix.sources],
+                                apportion(self.num_sequences, list(self.mix.fractions().values()))))
+        self.model, self.show_progress = model, show_progress
+        self._exclude, self._decontaminate = exclude, decontaminate
+        self._cursors = {s.name: _Cursor(self, s) for s in self.mix.sources}
+        self._k = 0
+        self._plan: dict[str, dict[str, Any]] | None = None
+        self._tok_fp: str | None = None
+
+    # --- decontamination --------------------------------------------------------------------------------
+
+    @property
+    def index(self) -> Any:
+        """The decontamination index in use (built on first use with ``decontaminate=True``), or None."""
+        if self._exclude is None and self._decontaminate:
+            from .decontam import build_index
+
+            self._exclude = build_index()
+        return self._exclude
+
+    def _decontaminated(self, cursor: _Cursor, key: Any, doc: Any) -> Any:
+        """``doc`` without its contaminated passages (None: dropped whole), by the plan's verdicts."""
+        if self.index is None:
+            return doc
+        from .decontam import SourceReport, Verdict, check_document, remove
+
+        if isinstance(cursor.docs, _HFDocs):  # no stable ids: check as it streams
+            findings = check_document(self.index, doc)
+            kept = remove(doc, findings)
+            if cursor.epoch == 0:
+                cursor.live_report = cursor.live_report or SourceReport(cursor.src.name)
+                cursor.live_report.add(str(key), doc, findings, kept)
+            return kept
+        self.plan()
+        cuts = self._plan[cursor.src.name]["_cuts"].get(key, [])
+        if cuts is None:
+            return None
+        return remove(doc, [((a, b), Verdict("contaminated")) for a, b in cuts]) if cuts else doc
+
+    # --- sources ----------------------------------------------------------------------------------------
+
+    def _open_docs(self, src: Source) -> _Docs | _HFDocs:
+        if src.kind == "hf":
+            return _HFDocs(src)
+        if src.kind == "builtin":
+            docs: _Docs = text_docs("python-docs", "train")
+        elif src.kind == "text":
+            _list_files(src, self.mix.base_dir)
+            docs = text_docs(_resolve(src.path, self.mix.base_dir), src.split)
+        elif src.kind == "jsonl":
+            docs = _JsonlDocs(_list_files(src, self.mix.base_dir), src)
+        elif src.kind == "parquet":
+            docs = _ParquetDocs(_list_files(src, self.mix.base_dir), src)
+        elif src.kind == "selfgen":
+            from .selfgen import generate_chat_data
+
+            model = src.model or self.model
+            path = generate_chat_data(model, self.tokenizer if model is not None and not isinstance(model, (str, os.PathLike)) else None,
+                                      n=src.samples, seed=src.seed, max_new_tokens=src.max_new_tokens,
+                                      temperature=src.temperature, top_p=src.top_p, batch_size=src.batch_size,
+                                      prompt_mode=src.prompt_mode, show_progress=self.show_progress)
+            docs = _JsonlDocs([path], Source(name=src.name, kind="jsonl", weight=src.weight, path=str(path)))
+        else:  # pragma: no cover - validated in _source_from_dict
+            raise QRecoverError(f"unknown kind {src.kind!r}")
+        if src.max_documents and src.kind != "hf":
+            docs = _Limited(docs, src.max_documents)
+        return docs
+
+    # --- plan -------------------------------------------------------------------------------------------
+
+    def _scan_key(self, src: Source, docs: _Docs) -> str:
+        if self._tok_fp is None:
+            self._tok_fp = tokenizer_fingerprint(self.tokenizer)
+        h = hashlib.sha256(json.dumps({"v": PLAN_VERSION, "kind": src.kind, "field": src.field,
+                                       "messages_field": src.messages_field, "split": src.split,
+                                       "max_documents": src.max_documents, "n": len(docs)}, sort_keys=True).encode())
+        for f in docs.files:
+            h.update(str(f.name).encode())
+            h.update(sha256_file(f).encode())
+        h.update(self._tok_fp.encode())
+        h.update(str(self.index.fingerprint if self.index is not None else None).encode())
+        return h.hexdigest()
+
+    def _scan(self, src: Source) -> dict[str, Any]:
+        """One streaming pass over a source: documents, unique tokens (= one epoch), decontamination verdicts."""
+        docs = self._cursors[src.name].docs
+        if isinstance(docs, _HFDocs) and not src.max_documents:
+            return {"documents": None, "unique_tokens": None, "unique_loss_tokens": None, "decontamination": None,
+                    "_cuts": {}, "note": "streaming dataset without max_documents: not counted; decontaminated as it streams"}
+        from .decontam import SourceReport, check_document, remove
+
+        key = None
+        if not isinstance(docs, _HFDocs):
+            key = self._scan_key(src, docs)
+            path = cache_dir() / "mix-plan" / f"{key[:32]}.json"
+            if path.is_file():
+                info = json.loads(path.read_text())
+                info["_cuts"] = {int(k): v for k, v in info.pop("cuts").items()}
+                if info["decontamination"] is not None:
+                    info["decontamination"]["source"] = src.name
+                return info
+        report = SourceReport(src.name) if self.index is not None else None
+        n_docs = tokens = loss = 0
+        cuts: dict[int, list[list[int]] | None] = {}
+        items = docs.scan() if isinstance(docs, _HFDocs) else ((i, docs.get(i)) for i in range(len(docs)))
+        with _progress(self.show_progress, f"scan {src.name}", None if isinstance(docs, _HFDocs) else len(docs)) as advance:
+            for i, doc in items:
+                doc_id = i if isinstance(docs, _HFDocs) else docs.doc_id(i)
+                if report is not None:
+                    findings = check_document(self.index, doc)
+                    kept = remove(doc, findings)
+                    report.add(doc_id, doc, findings, kept)
+                    if kept is None or kept is not doc:
+                        cuts[i] = None if kept is None else [list(span) for span, v in findings if v.dropped]
+                    if kept is None:
+                        advance()
+                        continue
+                    doc = kept
+                ids, labels = encode_document(self.tokenizer, doc, f"source {src.name!r} document {doc_id}")
+                n_docs += bool(ids)
+                tokens += len(ids)
+                loss += sum(t != IGNORE for t in labels)
+                advance()
+        info = {"documents": n_docs, "unique_tokens": tokens, "unique_loss_tokens": loss,
+                "decontamination": report.to_dict() if report is not None else None}
+        if key is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**info, "cuts": cuts}))
+            os.replace(tmp, path)
+        return {**info, "_cuts": cuts}
+
+    def plan(self) -> list[dict[str, Any]]:
+        """Per source (recipe order): fraction, target sequences/tokens, documents, unique tokens (one epoch,
+        after decontamination), epochs = target / unique, documents dropped. Scans each source once (cached)."""
+        if self._plan is None:
+            self._plan = {}
+            for s in self.mix.sources:
+                if self.targets[s.name] == 0:
+                    self._plan[s.name] = {"documents": None, "unique_tokens": None, "unique_loss_tokens": None,
+                                          "decontamination": None, "_cuts": {}, "note": "no tokens allocated: not scanned"}
+                else:
+                    self._plan[s.name] = self._scan(s)
+        fr = self.mix.fractions()
+        rows = []
+        for s in self.mix.sources:
+            info = self._plan[s.name]
+            target = self.targets[s.name] * self.seq_len
+            unique = info["unique_tokens"]
+            d = info["decontamination"]
+            rows.append({"source": s.name, "kind": s.kind, "fraction": fr[s.name], "target_sequences": self.targets[s.name],
+                         "target_tokens": target, "documents": info["documents"], "unique_tokens": unique,
+                         "unique_loss_tokens": info["unique_loss_tokens"],
+                         "epochs": target / unique if unique else None,
+                         "dropped_documents": d["documents_dropped"] if d else 0,
+                         "dropped_passages": d["passages_dropped"] if d else 0,
+                         "dropped_chars": d["chars_dropped"] if d else 0, **({"note": info["note"]} if "note" in info else {})})
+        return rows
+
+    def format_plan(self) -> str:
+        """The plan as a text table (phi-4 Table 5: fraction of training, unique tokens, epochs)."""
+        head = f"{'source':<16} {'kind':<8} {'fraction':>8} {'target tok':>12} {'unique tok':>12} {'epochs':>7} {'cut':>5}"
+        lines = [head, "-" * len(head)]
+        for r in self.plan():
+            unique = f"{r['unique_tokens']:,}" if r["unique_tokens"] is not None else "?"
+            epochs = f"{r['epochs']:.2f}" if r["epochs"] is not None else "?"
+            lines.append(f"{r['source']:<16} {r['kind']:<8} {r['fraction']:>8.1%} {r['target_tokens']:>12,} {unique:>12} "
+                         f"{epochs:>7} {r['dropped_passages']:>5}")
+        return "\n".join(lines)
+
+    # --- iteration --------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def _pick(self) -> str:
+        k, n = self._k, self.num_sequences
+        best, best_def = None, None
+        for name, t in self.targets.items():
+            c = self._cursors[name].sequences
+            if c >= t:
+                continue
+            deficit = t * (k + 1) - c * n
+            if best_def is None or deficit > best_def:
+                best, best_def = name, deficit
+        assert best is not None, (self.targets, k)
+        return best
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The remaining sequences. State advances before each yield, so ``state_dict()`` taken after
+        receiving a sequence resumes at the next one."""
+        if self.index is not None:
+            self.plan()  # decontaminate every source before the first training step
+        while self._k < self.num_sequences:
+            name = self._pick()
+            cur = self._cursors[name]
+            ids, labels = cur.take(self.seq_len)
+            cur.sequences += 1
+            cur.tokens += len(ids)
+            cur.loss_tokens += sum(t != IGNORE for t in labels)
+            self._k += 1
+            yield {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long),
+                   "source": name}
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, Any]]:
+        """Stacked batches: ``input_ids``/``labels`` ``(B, seq_len)``, ``source`` list of B names (last may be short)."""
+        it = iter(self)
+        while chunk := [s for _, s in zip(range(batch_size), it)]:
+            yield {"input_ids": torch.stack([s["input_ids"] for s in chunk]),
+                   "labels": torch.stack([s["labels"] for s in chunk]), "source": [s["source"] for s in chunk]}
+
+    # --- resume and reporting ---------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        index = self.index if (self._exclude is not None or self._decontaminate) else None
+        return {"mix": self.mix.to_dict(), "seq_len": self.seq_len, "total_tokens": self.total_tokens, "seed": self.seed,
+                "decontamination": index.fingerprint if index is not None else None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact data position (JSON-able): restore it into a loader built with the same settings."""
+        return {"version": STATE_VERSION, "config": self._config(), "sequences": self._k,
+                "sources": {n: c.state() for n, c in self._cursors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise QRecoverError(f"data-loader state version {state.get('version')!r} is not {STATE_VERSION}; it comes from "
+                                "another qrecover version: restart the run")
+        mine = self._config()
+        diff = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
+        if diff:
+            raise QRecoverError(f"cannot resume the data position: the loader was built with different settings "
+                                f"{ {k: f'{a!r} -> {b!r}'[:200] for k, (a, b) in diff.items()} } (saved -> now); "
+                                "rebuild it with the saved mix, seq_len, total_tokens, seed and decontamination")
+        self._k = int(state["sequences"])
+        for name, st in state["sources"].items():
+            self._cursors[name].restore(st)
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able: per source the target and consumed sequences/tokens, loss tokens, documents read, the
+        current epoch, epochs so far (if planned), and the decontamination report."""
+        sources = {}
+        for s in self.mix.sources:
+            c = self._cursors[s.name]
+            info = (self._plan or {}).get(s.name, {})
+            unique = info.get("unique_tokens")
+            sources[s.name] = {"kind": s.kind, "fraction": self.mix.fractions()[s.name],
+                               "target_sequences": self.targets[s.name], "target_tokens": self.targets[s.name] * self.seq_len,
+                               "sequences": c.sequences, "tokens": c.tokens, "loss_tokens": c.loss_tokens,
+                               "documents_read": c.documents, "epoch": c.epoch, "unique_tokens": unique,
+                               "epochs": c.tokens / unique if unique else None}
+        out: dict[str, Any] = {"seq_len": self.seq_len, "total_tokens": self.total_tokens, "num_sequences": self.num_sequences,
+                               "sequences": self._k, "seed": self.seed, "mix": self.mix.to_dict(), "sources": sources,
+                               "decontamination": None}
+        if self.index is not None:
+            per = {}
+            for s in self.mix.sources:
+                d = (self._plan or {}).get(s.name, {}).get("decontamination")
+                live = self._cursors[s.name].live_report
+                per[s.name] = d if d is not None else (live.to_dict() if live is not None else None)
+            out["decontamination"] = {"index": self.index.describe(), "sources": per}
+        return out
+
+    def close(self) -> None:
+        for c in self._cursors.values():
+            if isinstance(c._docs, _Docs):
+                c._docs.close()
+
+
+@contextlib.contextmanager
+def _progress(show: bool, description: str, total: int | None):
+    if not show:
+        yield lambda k=1: None
+        return
+    from ..calibrate import progress
+
+    with progress() as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda k=1: bar.advance(task, k)
+
+
+__all__ = ["KINDS", "KIND_KEYS", "Source", "Mix", "load_mix", "single_source_mix", "MixLoader", "apportion",
+           "encode_document", "text_docs", "split_files", "tokenizer_fingerprint"]

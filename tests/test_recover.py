@@ -1,0 +1,247 @@
+"""Recovery adapters: LoRA on QuantLinear through PEFT, export/load, base binding, the training loop.
+
+Checks that LoRA leaves the base output unchanged at initialisation and trains only adapter weights, that the
+exported adapter is a standard PEFT directory of 16-bit tensors of exactly ``2 r (in + out)`` bytes per layer
+that ``PeftModel.from_pretrained(qrecover.load(CKPT), DIR)`` reproduces, that an adapter trained on another
+checkpoint is refused, that an interrupted run resumed from its checkpoint ends with the same weights as an
+uninterrupted one, that a feature adapter starts from the recovery adapter, and every bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run as cli
+
+from qrecover.api import load
+from qrecover.errors import QRecoverError
+from qrecover.qlinear import QuantLinear
+from qrecover.recovery.api import finetune, init_feature_model, recover
+from qrecover.recovery.config import RecoverConfig
+from qrecover.recovery.lora import attach_lora, load_adapter
+from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint
+
+# tiny and fast: 64-token sequences, 2 per step
+FAST = dict(seq_len=64, batch_size=2, objective="ce", lr=1e-2, decontaminate=False, checkpoint_every=0)
+
+
+@pytest.fixture(scope="module")
+def text_mix(tmp_path_factory) -> Path:
+    """A one-source recipe over a few real Python-docs files copied to a private dir."""
+    from qrecover.data import documents
+
+    d = tmp_path_factory.mktemp("texts")
+    for i, t in enumerate(documents("python-docs", "train")[:6]):
+        (d / f"doc{i}.txt").write_text(t)
+    recipe = d / "mix.toml"
+    recipe.write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{d}/*.txt"\nweight = 1.0\n')
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_ckpt, text_mix, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ad") / "r4"
+    recover(tiny_ckpt, out, RecoverConfig(rank=4, tokens=64 * 2 * 3, mix=str(text_mix), **FAST), show_progress=False)
+    return out
+
+
+def _lora_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_lora_init_equals_base_and_only_adapters_get_gradients(tiny_ckpt):
+    base = load(tiny_ckpt)
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref = base(input_ids=ids).logits.detach()
+    packed_before = [(b, b.clone()) for b in base.buffers()]
+    model = attach_lora(base, rank=4)
+    assert torch.equal(model(input_ids=ids).logits, ref)  # B = 0 at init
+    loss = model(input_ids=ids).logits.logsumexp(-1).mean()
+    loss.backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all("lora_" in n for n in with_grad)
+    n_quant = sum(isinstance(m, QuantLinear) for m in base.modules())
+    assert len(with_grad) == 2 * n_quant  # A and B of every quantized projection
+    assert all(not b.requires_grad for b in model.buffers())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt.step()
+    assert packed_before and all(torch.equal(b, before) for b, before in packed_before)  # packed weights untouched
+
+
+def test_adapter_is_peft_16bit_exact_size_and_round_trips(adapter_dir, tiny_ckpt):
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    assert {"adapter_config.json", "adapter_model.safetensors", "qrecover_adapter.json"} <= {p.name for p in adapter_dir.iterdir()}
+    assert not (adapter_dir / "checkpoints").exists() and not (adapter_dir / "run.json").exists()
+    meta = json.loads((adapter_dir / "qrecover_adapter.json").read_text())
+    base = load(tiny_ckpt)
+    expected = 0
+    for m in base.modules():
+        if isinstance(m, QuantLinear):
+            expected += 16 * 4 * (m.in_features + m.out_features) // 8  # 16 bits x r x (in + out)
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert all(t.dtype == torch.float16 for t in tensors.values())
+    assert sum(t.numel() * 2 for t in tensors.values()) == expected == meta["bytes"]["tensors"] == meta["bytes"]["expected_16bit"]
+    manifest = json.loads((tiny_ckpt / "qrecover.json").read_text())
+    assert meta["bpw_cost"] == pytest.approx(expected * 8 / manifest["parameters"]["model"])
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # it trained
+
+    # plain PEFT loads it, and qrecover.load(adapter=) gives the same model
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(1))
+    peft_model = PeftModel.from_pretrained(load(tiny_ckpt), str(adapter_dir))
+    ours = load(tiny_ckpt, adapter=adapter_dir)
+    a, b = peft_model(input_ids=ids).logits, ours(input_ids=ids).logits
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, base(input_ids=ids).logits)  # the adapter changes the output
+    # the loaded adapter values are the stored fp16 values
+    loaded = {n: p for n, p in ours.named_parameters() if "lora_B" in n}
+    some = next(iter(loaded))
+    key = next(k for k in tensors if k.endswith(some.split("base_model.model.")[-1].replace(".default", "")))
+    assert torch.equal(loaded[some].detach().half(), tensors[key])
+
+
+def test_adapter_of_another_base_is_refused(adapter_dir, tiny_model_dir, tmp_path):
+    from qrecover.api import compress
+    from qrecover.config import CompressConfig
+
+    other = tmp_path / "other"
+    compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64), out=other, show_progress=False)
+    with pytest.raises(QRecoverError, match="was trained on checkpoint .*--allow-foreign-adapter"):
+        load(other, adapter=adapter_dir)
+    model = load(other, adapter=adapter_dir, allow_foreign_adapter=True)  # the explicit override
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_cli_adapter_option_refuses_foreign_base(adapter_dir, tiny_model_dir, capsys):
+    code, _, err = cli(["ppl", str(tiny_model_dir), "--adapter", str(adapter_dir), "--windows", "1", "--seq-len", "16"], capsys)
+    assert code == 2 and "unquantized model" in err
+
+
+def _run(ckpt, out, mix, callback=None, resume=False, **kw):
+    cfg = RecoverConfig(rank=4, tokens=64 * 2 * 6, mix=str(mix), **{**FAST, "checkpoint_every": 2, **kw})
+    return recover(ckpt, out, cfg, show_progress=False, resume=resume, callback=callback, keep_checkpoints=True)
+
+
+def test_resume_ends_where_an_uninterrupted_run_ends(tiny_ckpt, text_mix, tmp_path):
+    _run(tiny_ckpt, tmp_path / "full", text_mix)
+    full = load(tiny_ckpt, adapter=tmp_path / "full")
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_step_3(info):
+        if info["step"] == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        _run(tiny_ckpt, tmp_path / "cut", text_mix, callback=crash_after_step_3)
+    assert latest_checkpoint(tmp_path / "cut").name == "step-0000002.pt"
+    assert not (tmp_path / "cut" / "qrecover_adapter.json").exists()  # nothing loadable half-trained
+    with pytest.raises(QRecoverError, match="--resume"):
+        _run(tiny_ckpt, tmp_path / "cut", text_mix)  # exists: refused without --resume/--overwrite
+    _run(tiny_ckpt, tmp_path / "cut", text_mix, resume=True)
+    resumed = load(tiny_ckpt, adapter=tmp_path / "cut")
+    a, b = _lora_params(full), _lora_params(resumed)
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    log_full = (tmp_path / "full" / "train_log.jsonl").read_text().splitlines()
+    log_cut = (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["loss"] for x in log_full] == [json.loads(x)["loss"] for x in log_cut]
+
+
+def test_resume_with_other_settings_is_refused(tiny_ckpt, text_mix, tmp_path):
+    def stop(info):
+        if info["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_ckpt, tmp_path / "r", text_mix, callback=stop)
+    with pytest.raises(QRecoverError, match="different settings.*lr"):
+        _run(tiny_ckpt, tmp_path / "r", text_mix, resume=True, lr=5e-3)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_ckpt, text_mix, tmp_path):
+    def poison(info):  # after step 2 (checkpointed), make the adapter produce inf
+        if info["step"] == 2:
+            with torch.no_grad():
+                for n, p in info["model"].named_parameters():
+                    if "lora_B" in n:
+                        p.fill_(float("inf"))
+
+    with pytest.raises(NonFiniteLoss, match=r"loss became .* at step 3.*step-0000002\.pt.*--resume"):
+        _run(tiny_ckpt, tmp_path / "nan", text_mix, callback=poison)
+    assert latest_checkpoint(tmp_path / "nan").name == "step-0000002.pt"
+    state = torch.load(latest_checkpoint(tmp_path / "nan"), weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["adapter"].values())
+
+
+def test_feature_adapter_starts_from_recovery_adapter(adapter_dir, tiny_ckpt, tmp_path):
+    model = init_feature_model(tiny_ckpt, adapter_dir)
+    recovery = _lora_params(load(tiny_ckpt, adapter=adapter_dir))
+    start = _lora_params(model)
+    assert recovery.keys() == start.keys()
+    assert all(torch.equal(recovery[n], start[n]) for n in recovery)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(start)  # only the adapter trains; the base is frozen
+
+    data = tmp_path / "feature.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Summarise item {i}."},
+                          {"role": "assistant", "content": f"Item {i} is short and sweet."}]} for i in range(20)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = RecoverConfig(tokens=64 * 2 * 2, **FAST)
+    meta = finetune(tiny_ckpt, adapter_dir, str(data), tmp_path / "feature", cfg, show_progress=False)
+    assert meta["rank"] == 4 and meta["init_adapter"] == str(adapter_dir.resolve())
+    tuned = _lora_params(load(tiny_ckpt, adapter=tmp_path / "feature"))
+    assert any(not torch.equal(tuned[n], start[n]) for n in start)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rank", "0"], "--rank 0 must be a positive integer"),
+    (["--tokens", "-5"], "--tokens -5 must be a positive"),
+    (["--objective", "mse"], "--objective 'mse' must be one of"),
+    (["--targets", "top:0"], "--targets 'top:0'"),
+    (["--mix", "/nonexistent/mix.toml"], "--mix '/nonexistent/mix.toml' does not exist"),
+])
+def test_bad_recover_arguments_exit_2(tiny_ckpt, tmp_path, capsys, argv, message):
+    code, _, err = cli(["recover", str(tiny_ckpt), "--out", str(tmp_path / "x"), *argv], capsys)
+    assert code == 2, err
+    assert message in " ".join(err.split())
+    assert not (tmp_path / "x").exists()
+
+
+def test_unquantized_model_is_refused(tiny_model_dir, tmp_path, capsys):
+    code, _, err = cli(["recover", str(tiny_model_dir), "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "unquantized model" in err and "qrecover compress" in err
+
+
+def test_existing_adapter_dir_is_refused_without_flag(adapter_dir, tiny_ckpt, capsys):
+    code, _, err = cli(["recover", str(tiny_ckpt), "--out", str(adapter_dir), "--tokens", "128"], capsys)
+    assert code == 2 and "already exists" in err and "--overwrite" in err and "--resume" in err
+
+
+def test_cli_ranks_suite_writes_one_adapter_per_rank(tiny_ckpt, text_mix, tmp_path, capsys):
+    code, out, err = cli(["recover", str(tiny_ckpt), "--ranks", "2,4", "--tokens", "128", "--seq-len", "64",
+                          "--batch-size", "2", "--objective", "ce", "--mix", str(text_mix), "--no-decontaminate",
+                          "--out", str(tmp_path / "suite"), "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["rank"] for r in rows] == [2, 4]
+    assert rows[1]["bytes"] == 2 * rows[0]["bytes"]  # size is linear in the rank
+    for r in (2, 4):
+        assert json.loads((tmp_path / "suite" / f"rank-{r}" / "adapter_config.json").read_text())["r"] == r
+
+
+def test_top_n_targets_adapt_only_the_most_damaged_layers(tiny_ckpt, text_mix, tmp_path):
+    meta = recover(tiny_ckpt, tmp_path / "top", RecoverConfig(rank=2, tokens=128, mix=str(text_mix), targets="top:3", **FAST),
+                   show_progress=False)
+    manifest = json.loads((tiny_ckpt / "qrecover.json").read_text())
+    damage = sorted(((v["damage"], n) for n, v in manifest["layers"].items() if v["kind"] == "linear"), reverse=True)
+    assert meta["target_modules"] == sorted(n for _, n in damage[:3])
+    assert math.isclose(meta["bpw_cost"], meta["bytes"]["tensors"] * 8 / manifest["parameters"]["model"])
