@@ -281,7 +281,7 @@ class DecontamIndex:
         ratio = overlap / np.minimum(len(h7), self.item_n_small[uniq])
         best = int(np.argmax(ratio))
         r, item = float(ratio[best]), int(uniq[best])
-        if r <= s.info_7gram:
+        if r <= s.info_7gram and r < s.contaminated_7gram:
             return Verdict("clean")
         # step 4: contaminated or partial; name the overlapping 7-grams, in document order
         shared = np.sort(first[which[items == item]])

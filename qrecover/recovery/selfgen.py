@@ -156,14 +156,14 @@ def _generate(model: torch.nn.Module, tokenizer: Any, conversations: list[list[d
     device = next(model.parameters()).device
     order = sorted(range(len(texts)), key=lambda i: (len(texts[i]), i))  # similar lengths together: little padding
     out: list[tuple[str, bool] | None] = [None] * len(texts)
-    side = tokenizer.padding_side
+    side, pad_token = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
+    if pad_token is None:  # batched prompts need padding; the tokenizer refuses to pad without a pad token
+        tokenizer.pad_token = tokenizer.eos_token
     try:
         for b in range(0, len(order), batch_size):
             idx = order[b : b + batch_size]
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
-            if tokenizer.pad_token_id is None:
-                enc["input_ids"][enc["attention_mask"] == 0] = pad
             enc = {k: v.to(device) for k, v in enc.items()}
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(seed * 1_000_003 + b)
@@ -177,6 +177,8 @@ def _generate(model: torch.nn.Module, tokenizer: Any, conversations: list[list[d
             advance(len(idx))
     finally:
         tokenizer.padding_side = side
+        if pad_token is None:
+            tokenizer.pad_token = None
     return out  # type: ignore[return-value]
 
 
