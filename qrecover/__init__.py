@@ -5,4 +5,17 @@ __version__ = "0.1.0"
 from .schemes import register_quantizer  # noqa: E402
 from .api import compress, load, perplexity  # noqa: E402
 
-__all__ = ["compress", "load", "perplexity", "register_quantizer", "__version__"]
+__all__ = ["compress", "load", "perplexity", "recover", "finetune", "evaluate", "register_quantizer", "__version__"]
+
+
+def __getattr__(name: str):
+    """``qrecover.recover`` / ``finetune`` / ``evaluate``, imported on first use (peft, accelerate, lm-eval)."""
+    if name in ("recover", "finetune"):
+        from .recovery import api as _recovery_api
+
+        return getattr(_recovery_api, name)
+    if name == "evaluate":
+        from .reports.eval import evaluate
+
+        return evaluate
+    raise AttributeError(f"module 'qrecover' has no attribute {name!r}")

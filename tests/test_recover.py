@@ -91,6 +91,9 @@ def test_adapter_is_peft_16bit_exact_size_and_round_trips(adapter_dir, tiny_ckpt
     manifest = json.loads((tiny_ckpt / "qrecover.json").read_text())
     assert meta["bpw_cost"] == pytest.approx(expected * 8 / manifest["parameters"]["model"])
     assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # it trained
+    tr = meta["training"]  # tokens/s is over training steps alone; the data's first read is timed apart
+    assert tr["tokens"] == 64 * 2 * 3 and tr["seconds"] > 0 and tr["data_setup_seconds"] >= 0
+    assert tr["tok_per_s"] == pytest.approx(tr["tokens"] / tr["seconds"])
 
     # plain PEFT loads it, and qrecover.load(adapter=) gives the same model
     ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(1))
@@ -245,3 +248,14 @@ def test_top_n_targets_adapt_only_the_most_damaged_layers(tiny_ckpt, text_mix, t
     damage = sorted(((v["damage"], n) for n, v in manifest["layers"].items() if v["kind"] == "linear"), reverse=True)
     assert meta["target_modules"] == sorted(n for _, n in damage[:3])
     assert math.isclose(meta["bpw_cost"], meta["bytes"]["tensors"] * 8 / manifest["parameters"]["model"])
+
+
+def test_public_api_exposes_the_stages():
+    import qrecover
+    from qrecover.recovery import api as recovery_api
+    from qrecover.reports.eval import evaluate
+
+    assert qrecover.recover is recovery_api.recover and qrecover.finetune is recovery_api.finetune
+    assert qrecover.evaluate is evaluate
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        qrecover.nope  # noqa: B018
