@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from qrecover import api  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
-from qrecover.recovery.api import load_teacher, recover  # noqa: E402
+from qrecover.recovery.api import recover  # noqa: E402
 from qrecover.recovery.config import RecoverConfig  # noqa: E402
 from qrecover.recovery.train import peak_memory_bytes  # noqa: E402
 
@@ -189,7 +188,7 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         "measured_bpw": {str(k): v for k, v in bpw.items()}, "rows": rows, "speed_tok_per_s": speed,
         "tokens": tokens, "eval_windows": windows, "seconds": seconds, "peak_memory_bytes": peak}, indent=1))
     lines = [
-        f"# Recovery benchmark (`python benchmarks/recover.py`)\n",
+        "# Recovery benchmark (`python benchmarks/recover.py`)\n",
         f"Held-out perplexity on {windows} x 512 tokens of each text: **out-of-domain** = Shakespeare (not in the "
         "training mix), **in-domain** = the Python-docs eval split. Gap closed = (quantized - recovered) / "
         "(quantized - original). Training: the shipped default mix, LoRA on every quantized projection (unless "

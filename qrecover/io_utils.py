@@ -1,14 +1,16 @@
-"""Small file helpers: hashing, atomic directory writes, the user cache."""
+"""Small file helpers: hashing, atomic directory writes, the user cache, reading and writing JSON/TOML."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .errors import QRecoverError
 
@@ -61,3 +63,44 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_json(path: str | os.PathLike, what: str, missing: str) -> Any:
+    """Parse a JSON file; a missing or malformed file is a QRecoverError: '{what} PATH does not exist{missing}'."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise QRecoverError(f"{what} {str(path)!r} does not exist{missing}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QRecoverError(f"{what} {str(path)!r} is not valid JSON: {e}") from None
+
+
+def read_toml(path: str | os.PathLike, what: str, missing: str) -> dict[str, Any]:
+    """Parse a TOML file, as :func:`read_json`."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise QRecoverError(f"{what} {str(path)!r} does not exist{missing}")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise QRecoverError(f"{what} {str(path)!r} is not valid TOML: {e}") from None
+
+
+def toml_value(v: Any) -> str:
+    """One value as TOML: strings, numbers, booleans, lists and inline tables."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise QRecoverError(f"cannot write {v!r} to TOML (types: string, number, boolean, list, table)")

@@ -51,6 +51,7 @@ from typing import Any
 
 from . import __version__
 from .errors import QRecoverError
+from .io_utils import read_toml, toml_value
 from .schemes.base import doc_field
 
 STAGE_FILE = "stage.json"
@@ -281,9 +282,9 @@ class Recipe:
 
     def to_toml(self) -> str:
         d = self.to_dict()
-        lines = [f"{k} = {_toml_value(d[k])}" for k in ("model", "work_dir", "report_dir")]
+        lines = [f"{k} = {toml_value(d[k])}" for k in ("model", "work_dir", "report_dir")]
         for name in _SECTIONS:
-            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in d[name].items()]
+            lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in d[name].items()]
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -294,31 +295,10 @@ class Recipe:
         return path
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise QRecoverError(f"cannot write {v!r} to TOML (types: string, number, boolean, list, table)")
-
-
 def load_recipe(path: str | os.PathLike) -> Recipe:
     """Read and validate a recipe; every problem is a QRecoverError naming the file, the key and the fix."""
-    import tomllib
-
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise QRecoverError(f"recipe {str(path)!r} does not exist; pass a TOML file such as recipes/table10.toml")
-    try:
-        d = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise QRecoverError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
+    d = read_toml(path, "recipe", "; pass a TOML file such as recipes/table10.toml")
     try:
         return Recipe.from_dict(d, base_dir=path.resolve().parent, source=str(path))
     except QRecoverError as e:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..io_utils import read_json
 from .common import JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
@@ -53,12 +53,7 @@ def gate(
         if name in per_metric:
             raise QRecoverError(f"--metric {name} given twice")
         per_metric[name] = value
-    if not report.is_file():
-        raise QRecoverError(f"report {str(report)!r} does not exist (write it with `qrecover report`)")
-    try:
-        data = json.loads(report.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QRecoverError(f"report {str(report)!r} is not valid JSON: {e}") from None
+    data = read_json(report, "report", " (write it with `qrecover report`)")
     try:
         result = run_gate(data, min_ratio, per_metric, rows=rows, noise_aware=noise_aware)
     except QRecoverError as e:

@@ -52,7 +52,7 @@ import torch
 
 from ..data import SPLITS, _bucket, source_files
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file
+from ..io_utils import cache_dir, read_toml, sha256_file, toml_value
 from ..schemes.base import doc_field
 from .chat import IGNORE, encode_chat
 
@@ -209,10 +209,10 @@ class Mix:
                    str(base_dir) if base_dir is not None else None)
 
     def to_toml(self) -> str:
-        lines = [f"description = {_toml_value(self.description)}", ""] if self.description else []
+        lines = [f"description = {toml_value(self.description)}", ""] if self.description else []
         for s in self.sources:
             lines.append("[[source]]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in s.to_dict().items()]
+            lines += [f"{k} = {toml_value(v)}" for k, v in s.to_dict().items()]
             lines.append("")
         return "\n".join(lines)
 
@@ -226,30 +226,8 @@ class Mix:
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> Mix:
         path = Path(path).expanduser()
-        if not path.is_file():
-            raise QRecoverError(f"mix recipe {str(path)!r} does not exist; pass a TOML file with [[source]] tables")
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            try:
-                import tomli as tomllib  # type: ignore[no-redef]
-            except ImportError:
-                raise QRecoverError("reading a TOML recipe on Python 3.10 needs `pip install tomli`") from None
-        try:
-            d = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise QRecoverError(f"mix recipe {str(path)!r} is not valid TOML: {e}") from None
+        d = read_toml(path, "mix recipe", "; pass a TOML file with [[source]] tables")
         return cls.from_dict(d, base_dir=path.resolve().parent)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # JSON string escapes are valid TOML basic-string escapes
-    raise TypeError(f"cannot write {v!r} to TOML")
 
 
 def load_mix(recipe: str | os.PathLike | Mix) -> Mix:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QRecoverError
+from ..io_utils import read_json
 
 SCHEMA_VERSION = 1
 KINDS = ("original", "quantized", "recovered")
@@ -223,13 +224,7 @@ class Results:
 
 def load_results(path: str | Path) -> Results:
     """Read and validate one results file; every problem is a QRecoverError naming the file and the key."""
-    path = Path(path)
-    if not path.is_file():
-        raise QRecoverError(f"results file {str(path)!r} does not exist (write one with `qrecover eval`)")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QRecoverError(f"results file {str(path)!r} is not valid JSON: {e}") from None
+    d = read_json(path, "results file", " (write one with `qrecover eval`)")
     return Results.from_dict(d, source=str(path))
 
 
