@@ -192,11 +192,12 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         f"Held-out perplexity on {windows} x 512 tokens of each text: **out-of-domain** = Shakespeare (not in the "
         "training mix), **in-domain** = the Python-docs eval split. Gap closed = (quantized - recovered) / "
         "(quantized - original). Training: the shipped default mix, LoRA on every quantized projection (unless "
-        f"top:N), {tokens:,} tokens per run, AdamW with warm-up + cosine. Total wall time {seconds / 60:.0f} min; "
-        f"peak process memory {peak / 1e9:.1f} GB (teacher + student in fp32).\n",
+        f"top:N), {tokens:,} tokens per run, AdamW with warm-up + cosine. tok/s counts training steps alone; "
+        "peak MB is the training process's peak resident memory (teacher + student in fp32). This invocation "
+        f"took {seconds / 60:.0f} min (rows finished by an earlier invocation are reused with their own timings).\n",
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
-        "| checkpoint | quantized ppl (ood / in) | adapter | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| checkpoint | quantized ppl (ood / in) | adapter | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q, f = quantized[r["bpw"]], r["curve"][-1]
@@ -205,7 +206,7 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
             f"{'' if r['targets'] == 'all' else r['targets'] + ' '}({r['layers']} layers) | {r['adapter_mb']:.2f} | "
             f"{r['adapter_bpw_cost']:.3f} | {r['measured_bpw'] + r['adapter_bpw_cost']:.3f} | {f['tokens']:,} | "
             f"{f['ppl']['ood']:.2f} / {f['ppl']['in_domain']:.2f} | {100 * f['gap_closed']['ood']:.0f}% | "
-            f"{100 * f['gap_closed']['in_domain']:.0f}% | {r['tok_per_s']:.0f} |")
+            f"{100 * f['gap_closed']['in_domain']:.0f}% | {r['tok_per_s']:.0f} | {r['peak_memory_mb']:,.0f} |")
     lines += ["", "## Gap closed against tokens trained (out-of-domain / in-domain)", "",
               "| run | " + " | ".join(f"{p['tokens']:,} tok" for p in rows[0]["curve"]) + " |",
               "|---|" + "---|" * len(rows[0]["curve"])]
@@ -213,8 +214,9 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         if len(r["curve"]) > 2:
             lines.append(f"| {r['name']} | " + " | ".join(
                 f"{100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%" for p in r["curve"]) + " |")
-    lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
-    lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]
+    if speed:
+        lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
+        lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]
     (report / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
