@@ -635,8 +635,12 @@ def publish(plan: Plan) -> list[str]:
 
 
 def execute(plan: Plan, show_progress: bool = True, hook: Callable[[str, Stage], None] | None = None,
-            recover_callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+            recover_callback: Callable[[dict[str, Any]], None] | None = None,
+            only: Sequence[str] = ()) -> dict[str, Any]:
     """Run every stage of ``plan`` that is not cached, in order, then publish the report.
+
+    ``only``: run just these stages (their inputs must be done already), e.g. to run two independent
+    evaluations in two processes; the report is published only once every stage is done.
 
     ``hook(event, stage)`` is called with ``"skip"`` for a cached stage, and ``"start"``, ``"ran"`` (output
     written, ``stage.json`` not yet) and ``"done"`` for one that runs; an exception it raises stops the
@@ -648,12 +652,22 @@ def execute(plan: Plan, show_progress: bool = True, hook: Callable[[str, Stage],
 
     console = Console(stderr=True)
     say = (lambda m: console.print(m, highlight=False)) if show_progress else (lambda m: None)  # noqa: E731
-    todo = [s for s in plan.stages if s.status != "cached"]
+    if only:
+        names = {s.name: s for s in plan.stages}
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise QRecoverError(f"--only {unknown[0]!r} is not a stage of this recipe; stages: {', '.join(names)}")
+        for n in only:
+            pending = [i for i in names[n].inputs if names[i].status != "cached"]
+            if pending:
+                raise QRecoverError(f"--only {n!r} needs {pending[0]!r}, which is not done yet; run it first "
+                                    f"(qrecover pipeline RECIPE --only {pending[0]}) or run the whole pipeline")
+    todo = [s for s in plan.stages if s.status != "cached" and (not only or s.name in only)]
     ctx = _Context(plan, show_progress, recover_callback, todo=list(todo))
     t0 = time.time()
     for s in plan.stages:
-        if s.status == "cached":
-            if hook:
+        if s.status == "cached" or s not in todo:
+            if hook and s.status == "cached":
                 hook("skip", s)
             continue
         ctx.todo.remove(s)
@@ -679,9 +693,10 @@ def execute(plan: Plan, show_progress: bool = True, hook: Callable[[str, Stage],
         say(f"    done in {s.seconds:.1f} s")
         if hook:
             hook("done", s)
-    changed = publish(plan)
+    complete = all(s.status in ("cached", "ran") for s in plan.stages)
+    changed = publish(plan) if complete else []
     summary = plan.to_dict()
-    summary["report"] = str(plan.report_dir / "report.md")
+    summary["report"] = str(plan.report_dir / "report.md") if complete else None
     summary["published"] = changed
     summary["seconds"] = round(time.time() - t0, 1)
     return summary
@@ -689,14 +704,15 @@ def execute(plan: Plan, show_progress: bool = True, hook: Callable[[str, Stage],
 
 def run_pipeline(recipe: Recipe | str | os.PathLike, dry_run: bool = False, force: Sequence[str] = (),
                  show_progress: bool = True, hook: Callable[[str, Stage], None] | None = None,
-                 recover_callback: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                 recover_callback: Callable[[dict[str, Any]], None] | None = None,
+                 only: Sequence[str] = ()) -> dict[str, Any]:
     """Plan, and unless ``dry_run`` execute, a recipe (a :class:`Recipe` or a TOML path); see :func:`execute`."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     plan = make_plan(recipe, force)
     if dry_run:
         return plan.to_dict()
-    return execute(plan, show_progress=show_progress, hook=hook, recover_callback=recover_callback)
+    return execute(plan, show_progress=show_progress, hook=hook, recover_callback=recover_callback, only=only)
 
 
 __all__ = ["Recipe", "EvalSection", "CompressSection", "RecoverSection", "Stage", "Plan", "load_recipe", "make_plan",

@@ -278,3 +278,20 @@ def test_cli_dry_run_and_force(exp, capsys):
     code, out, _ = cli(["pipeline", exp / "recipe.toml", "--force", "eval-original", "--json"], capsys)
     assert code == 0
     assert ran(json.loads(out)) == ["eval-original", "report"]
+
+
+def test_only_runs_the_named_stages_and_publishes_when_all_are_done(exp, tiny_model_dir):
+    set_recipe(exp, tiny_model_dir, tokens=256)  # recover, its evaluations and the report are to run again
+    with pytest.raises(QRecoverError, match="needs 'recover-5bpw-r4', which is not done yet"):
+        run_pipeline(exp / "recipe.toml", show_progress=False, only=["eval-5bpw-r4"])
+    with pytest.raises(QRecoverError, match="'nope' is not a stage of this recipe"):
+        run_pipeline(exp / "recipe.toml", show_progress=False, only=["nope"])
+    report = exp / "report" / "report.json"
+    before = report.read_bytes()
+    summary = run_pipeline(exp / "recipe.toml", show_progress=False, only=["recover-5bpw-r4", "recover-4.6bpw-r4"])
+    assert ran(summary) == ["recover-4.6bpw-r4", "recover-5bpw-r4"]
+    assert summary["report"] is None and summary["published"] == [] and report.read_bytes() == before
+    summary = run_pipeline(exp / "recipe.toml", show_progress=False, only=["eval-5bpw-r4"])
+    assert ran(summary) == ["eval-5bpw-r4"] and summary["report"] is None
+    summary = run_pipeline(exp / "recipe.toml", show_progress=False)  # the rest, then the report
+    assert ran(summary) == ["eval-4.6bpw-r4", "report"] and "report.json" in summary["published"]

@@ -18,6 +18,8 @@ EXAMPLES = """Examples:
 
   qrecover pipeline recipes/table10.toml --json | jq '.stages[].status'
 
+  qrecover pipeline recipes/table10.toml --only eval-3.5bpw-r16 &  qrecover pipeline recipes/table10.toml --only eval-3.7bpw-r16
+
 A second run does nothing; a changed setting reruns its stage and what consumes it.
 
 After a crash only unfinished stages run; recovery training resumes its checkpoint.
@@ -41,6 +43,7 @@ def pipeline(
     recipe: Path = typer.Argument(..., help="Recipe TOML: model, work_dir, report_dir and the eval, compress and recover tables (see recipes/table10.toml)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (stages, keys, cached or to run) and stop."),
     force: list[str] = typer.Option([], "--force", help="Run this stage even if cached (repeatable), e.g. --force eval-original; the stages that consume it run too."),
+    only: list[str] = typer.Option([], "--only", help="Run just this stage (repeatable) once its inputs are done, e.g. two evaluations in two processes; the report is written when every stage is done."),
     json_out: bool = JsonOpt,
 ) -> None:
     """The whole experiment from one recipe: evaluate the original, compress at each bpw, recover at each rank,
@@ -58,7 +61,7 @@ def pipeline(
         return
     if not json_out:
         _plan_table(plan)
-    summary = execute(plan, show_progress=not json_out)
+    summary = execute(plan, show_progress=not json_out, only=only)
     if json_out:
         emit_json(summary)
         return
@@ -72,7 +75,12 @@ def pipeline(
         t.add_row(escape(s["name"]), s["status"], f"{s['seconds']:.1f}" if done else "—", style=None if done else "dim")
     console.print(t)
     n_ran = sum(s["status"] == "ran" for s in summary["stages"])
-    console.print(f"{n_ran} stage(s) ran, {len(summary['stages']) - n_ran} cached, {summary['seconds']:.0f} s in all", highlight=False)
+    n_cached = sum(s["status"] == "cached" for s in summary["stages"])
+    console.print(f"{n_ran} stage(s) ran, {n_cached} cached, {summary['seconds']:.0f} s in all", highlight=False)
     if summary["published"]:
         console.print(escape(f"updated in {plan.report_dir}: {', '.join(summary['published'])}"), highlight=False)
-    console.print(escape(f"report: {summary['report']}"), highlight=False)
+    if summary["report"]:
+        console.print(escape(f"report: {summary['report']}"), highlight=False)
+    else:
+        left = [s["name"] for s in summary["stages"] if s["status"] not in ("ran", "cached")]
+        console.print(escape(f"no report yet: stages still to run: {', '.join(left)}"), highlight=False)
