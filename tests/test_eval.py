@@ -74,6 +74,8 @@ def test_original_run(original, tiny_model_dir):
         assert m.higher_is_better is (name not in ("ppl", "kl", "mmlu_flips")), name
     # the unquantized model agrees with itself by definition
     assert r.metrics["kl"].value == 0.0 and r.metrics["mmlu_flips"].value == 0.0
+    # the report normalises them against their zero baseline: exp(-KL) and 1 - flips
+    assert r.metrics["kl"].scale == "nats" and r.metrics["mmlu_flips"].scale == "fraction"
     assert r.metrics["kl"].settings["reference_sha256"] == ev.weights_sha256(tiny_model_dir, "hf")
     assert 0 <= r.metrics["mmlu"].value <= 1 and r.metrics["ppl"].value > 1
 

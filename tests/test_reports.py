@@ -17,6 +17,7 @@ only the baseline skipped it), and the gate lists such a cell as skipped, neithe
 from __future__ import annotations
 
 import json
+import math
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -27,11 +28,12 @@ from qrecover.errors import QRecoverError
 from qrecover.reports.gate import gate
 from qrecover.reports.render import write_report
 from qrecover.reports.results import Adapter, MeasuredBpw, Metric, Results, RunInfo, load_results
-from qrecover.reports.table import normalise
+from qrecover.reports.table import normalise, ratio_of
 
 FEWSHOT = {"ifeval": {"num_fewshot": 0, "limit": None}, "gsm8k": {"num_fewshot": 5, "limit": None},
            "ppl": {"data": "python-docs", "windows": 32, "seq_len": 512}, "alpacaeval": {"limit": None, "judge_model": "gpt-4o"}}
-HIB = {"ifeval": True, "gsm8k": True, "ppl": False, "alpacaeval": True}
+HIB = {"ifeval": True, "gsm8k": True, "ppl": False, "alpacaeval": True, "kl": False, "mmlu_flips": False}
+FEWSHOT |= {"kl": {"windows": 32}, "mmlu_flips": {"limit": 20}}
 
 
 def results(kind: str, scores: dict, bpw: float | None = None, rank: int | None = None, cost: float = 0.0) -> dict:
@@ -147,7 +149,11 @@ def test_normalise_missing_stderr_and_zero_score():
     assert row.cells["gsm8k"].ratio == 0.0 and row.cells["gsm8k"].ratio_stderr == pytest.approx(0.02)
     zero_base = results("original", {"gsm8k": (0.0, 0.01)})
     with pytest.raises(QRecoverError, match="gsm8k.*baseline value is 0"):
-        normalise(Results.from_dict(zero), Results.from_dict(zero_base))
+        ratio_of(Results.from_dict(zero).metrics["gsm8k"], Results.from_dict(zero_base).metrics["gsm8k"], "gsm8k")
+    # in a report, a ratio that does not exist is a column note, not a failed report (nor a gate failure)
+    (row,) = normalise(Results.from_dict(zero), Results.from_dict(zero_base))
+    assert "gsm8k" not in row.cells
+    assert row.skipped["gsm8k"] == "no ratio: the unquantized model scores 0 (value 0, unquantized 0)"
 
 
 def test_settings_mismatch_is_an_error():
@@ -515,3 +521,14 @@ def test_divergence_and_flip_scales_normalise_against_a_zero_baseline():
     bad["metrics"]["kl"]["scale"] = "log"
     with pytest.raises(QRecoverError, match="metrics.kl.scale.*must be one of ratio, nats, fraction"):
         Results.from_dict(bad)
+
+
+def test_agreement_metrics_without_a_recorded_scale_get_theirs():
+    """Results files written before the scale was recorded: kl and mmlu_flips are still exp(-KL) and 1 - flips."""
+    base = results("original", {"kl": (0.0, 0.0), "mmlu_flips": (0.0, 0.0), "ppl": (10.0, None)})
+    run = results("quantized", {"kl": (0.5, 0.01), "mmlu_flips": (0.25, 0.05), "ppl": (12.5, None)}, bpw=3.5)
+    assert all("scale" not in m for d in (base, run) for m in d["metrics"].values())
+    (row,) = normalise(Results.from_dict(run), Results.from_dict(base))
+    assert row.cells["kl"].ratio == pytest.approx(math.exp(-0.5))
+    assert row.cells["mmlu_flips"].ratio == pytest.approx(0.75)
+    assert row.cells["ppl"].ratio == pytest.approx(0.8)

@@ -545,12 +545,14 @@ def evaluate(config: EvalConfig | None = None, show_progress: bool = True, **ove
             kl_settings = {**ppl_settings, "measure": "mean over tokens of KL(reference || evaluated), nats",
                            "reference_sha256": ref.sha256}
             if probe is None:  # the reference itself: zero by definition
-                metrics["kl"] = Metric(value=0.0, stderr=0.0, higher_is_better=False, settings=kl_settings)
+                metrics["kl"] = Metric(value=0.0, stderr=0.0, higher_is_better=False, settings=kl_settings,
+                                       scale="nats")
             else:
                 k = probe.result()
                 if k["tokens"] != p["tokens"]:
                     raise QRecoverError(f"KL scored {k['tokens']} tokens but perplexity {p['tokens']}; report this bug")
-                metrics["kl"] = Metric(value=k["kl"], stderr=k["stderr"], higher_is_better=False, settings=kl_settings)
+                metrics["kl"] = Metric(value=k["kl"], stderr=k["stderr"], higher_is_better=False, settings=kl_settings,
+                                       scale="nats")
 
     if ref is not None and answers is not None:
         metrics["mmlu_flips"] = mmlu_flips(cfg, ref, answers, reference, show)
@@ -592,7 +594,7 @@ def mmlu_flips(cfg: EvalConfig, ref: Reference, answers: list[int], reference: t
         else:
             show("mmlu_flips: the reference's answers come from the cache")
     f = answer_flips(answers, ref_answers)
-    return Metric(value=f["flips"], stderr=f["stderr"], higher_is_better=False,
+    return Metric(value=f["flips"], stderr=f["stderr"], higher_is_better=False, scale="fraction",
                   settings={**settings, "measure": "fraction of answers differing from the reference's",
                             "reference_sha256": ref.sha256})
 

@@ -82,7 +82,13 @@ def _arrows(rows: Sequence[Row]) -> str:
     for r in rows:
         for n, c in r.cells.items():
             hib.setdefault(n, c.higher_is_better)
-    return ", ".join(f"{n} (not run)" if n not in hib else f"{n} ({'higher' if hib[n] else 'lower'} is better)" for n in names)
+    def what(n: str) -> str:
+        if n in hib:
+            return f"{n} ({'higher' if hib[n] else 'lower'} is better)"
+        notes = {r.skipped[n] for r in rows if n in r.skipped}
+        return f"{n} (no ratio)" if notes and all(t.startswith("no ratio") for t in notes) else f"{n} (not run)"
+
+    return ", ".join(what(n) for n in names)
 
 
 def render_markdown(rows: Sequence[Row], baseline: Results) -> str:

@@ -62,6 +62,9 @@ class Adapter:
     bpw_cost: float = _doc(0.0, "bits per model weight the adapter adds when shipped (its bytes x 8 / model parameters)")
 
 
+IMPLIED_SCALES = {"kl": "nats", "mmlu_flips": "fraction"}  # qrecover eval's agreement metrics (see Metric.scale)
+
+
 @dataclass
 class Metric:
     value: float = _doc(0.0, "the score, in the benchmark's own unit (accuracy 0-1, perplexity, ...)")
@@ -211,7 +214,8 @@ class Results:
             if not isinstance(m["higher_is_better"], bool):
                 v.fail(f"{key}.higher_is_better", f"must be true or false, got {m['higher_is_better']!r}")
             v.obj(m["settings"], f"{key}.settings")
-            scale = m.get("scale", "ratio")
+            # qrecover eval's agreement metrics were written without their scale before it was recorded
+            scale = m.get("scale", IMPLIED_SCALES.get(name, "ratio") if not m["higher_is_better"] else "ratio")
             if scale not in SCALES:
                 v.fail(f"{key}.scale", f"is {scale!r}, must be one of {', '.join(SCALES)}")
             if scale != "ratio" and m["higher_is_better"]:

@@ -24,7 +24,9 @@ run metric the baseline lacks.
 
 A metric the run skipped (``Results.skipped``, e.g. AlpacaEval without a judge) has no cell: the row's
 ``skipped[name]`` holds the text its column shows instead, ``"not run: <reason>"``. A metric the run
-measured but the baseline skipped cannot be normalised and shows ``"baseline not run: <reason>"``.
+measured but the baseline skipped cannot be normalised and shows ``"baseline not run: <reason>"``; one whose
+ratio does not exist (a higher-is-better baseline of 0, a lower-is-better value of 0) shows ``"no ratio: ..."``
+with both values. The gate counts such cells as neither pass nor fail.
 """
 
 from __future__ import annotations
@@ -149,6 +151,11 @@ def _row(run: Results, baseline: Results) -> Row:
                                 f"(it has {', '.join(sorted(baseline.metrics))}); evaluate the unquantized model on it too")
         base = baseline.metrics[name]
         check_comparable(name, m, base, run.name, baseline.name)
+        zero = m.scale not in ("nats", "fraction") and (base.value if m.higher_is_better else m.value) == 0
+        if zero:  # e.g. a small model that solves no GSM8K problem: no ratio exists; the column says why
+            who = "the unquantized model" if m.higher_is_better else "this run"
+            skipped[name] = f"no ratio: {who} scores 0 (value {m.value:.4g}, unquantized {base.value:.4g})"
+            continue
         ratio, ratio_se = ratio_of(m, base, name)
         cells[name] = Cell(value=m.value, stderr=m.stderr, baseline=base.value, baseline_stderr=base.stderr,
                            ratio=ratio, ratio_stderr=ratio_se, higher_is_better=m.higher_is_better)
