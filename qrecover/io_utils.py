@@ -104,3 +104,12 @@ def toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
     raise QRecoverError(f"cannot write {v!r} to TOML (types: string, number, boolean, list, table)")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path``, then rename it into place (never half-written)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

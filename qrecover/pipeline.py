@@ -51,7 +51,7 @@ from typing import Any
 
 from . import __version__
 from .errors import QRecoverError
-from .io_utils import read_toml, toml_value
+from .io_utils import read_toml, toml_value, write_text_atomic
 from .schemes.base import doc_field
 
 STAGE_FILE = "stage.json"
@@ -288,11 +288,7 @@ class Recipe:
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_toml())
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, self.to_toml())
 
 
 def load_recipe(path: str | os.PathLike) -> Recipe:

@@ -52,7 +52,7 @@ import torch
 
 from ..data import SPLITS, _bucket, source_files
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, read_toml, sha256_file, toml_value
+from ..io_utils import cache_dir, read_toml, sha256_file, toml_value, write_text_atomic
 from ..schemes.base import doc_field
 from .chat import IGNORE, encode_chat
 
@@ -217,11 +217,7 @@ class Mix:
         return "\n".join(lines)
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_toml())
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, self.to_toml())
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> Mix:
