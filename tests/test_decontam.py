@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from char_tok import CharTok
 
 from qrecover.errors import QRecoverError
 from qrecover.recovery import decontam as dc
@@ -509,21 +510,6 @@ def test_describe():
 
 
 # --- MixLoader integration ------------------------------------------------------------------------------
-
-
-class CharTok:
-    """Token id = code point + 10; EOS = 1 (as in test_mix)."""
-
-    eos_token_id = 1
-    eos_token = "<eos>"
-    chat_template = None
-    name_or_path = "char"
-
-    def __call__(self, text, add_special_tokens=False, verbose=False, **kw):
-        return {"input_ids": [ord(c) + 10 for c in text]}
-
-    def get_vocab(self):
-        return {"<eos>": 1}
 
 
 def _stream_text(loader) -> str:

@@ -12,29 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+from char_tok import EOS, CharTok
 import torch
 
 from qrecover.errors import QRecoverError
 from qrecover.recovery import mix as mixmod
 from qrecover.recovery.chat import IGNORE, encode_chat
 from qrecover.recovery.mix import Mix, MixLoader, Source, apportion, load_mix, single_source_mix
-
-EOS = 1
-
-
-class CharTok:
-    """Token id = code point + 10; EOS = 1; no chat template."""
-
-    eos_token_id = EOS
-    eos_token = "<eos>"
-    chat_template = None
-    name_or_path = "char"
-
-    def __call__(self, text, add_special_tokens=False, verbose=False, **kw):
-        return {"input_ids": [ord(c) + 10 for c in text]}
-
-    def get_vocab(self):
-        return {"<eos>": EOS}
 
 
 @pytest.fixture(autouse=True)
