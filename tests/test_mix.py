@@ -86,6 +86,7 @@ def test_default_mix_loads():
     m = load_mix(default_mix_path())
     kinds = {s.kind for s in m.sources}
     assert kinds == {"builtin", "selfgen"}
+    assert {s.topics for s in m.sources if s.kind == "selfgen"} == {"python-docs", "general"}
     assert abs(sum(m.fractions().values()) - 1) < 1e-12
 
 

@@ -23,7 +23,7 @@ from qrecover.qlinear import QuantLinear
 from qrecover.recovery.api import finetune, init_feature_model, recover
 from qrecover.recovery.config import RecoverConfig
 from qrecover.recovery.lora import attach_lora, load_adapter
-from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint
+from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint, mixed_precision, native_bf16
 
 # tiny and fast: 64-token sequences, 2 per step
 FAST = dict(seq_len=64, batch_size=2, objective="ce", lr=1e-2, decontaminate=False, checkpoint_every=0)
@@ -205,7 +205,31 @@ def test_feature_adapter_starts_from_recovery_adapter(adapter_dir, tiny_ckpt, tm
     assert any(not torch.equal(tuned[n], start[n]) for n in start)
 
 
+def test_precision_setting_resolves_to_accelerate_mixed_precision():
+    assert mixed_precision(RecoverConfig(precision="fp32")) == "no"
+    assert mixed_precision(RecoverConfig(precision="bf16")) == "bf16"
+    assert mixed_precision(RecoverConfig(precision="auto")) == ("bf16" if native_bf16() else "no")
+    with pytest.raises(QRecoverError, match="--precision 'fp8' must be one of auto, bf16, fp32"):
+        RecoverConfig(precision="fp8")
+
+
+def test_bf16_autocast_training_tracks_fp32(tiny_ckpt, text_mix, tmp_path):
+    """bf16 autocast (the 'auto' choice on CPUs with AVX512-BF16) follows the fp32 run's losses closely and
+    keeps the adapter weights themselves in fp32 (exported in 16 bits as always)."""
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg = RecoverConfig(rank=4, tokens=64 * 2 * 4, mix=str(text_mix), precision=precision, **FAST)
+        meta = recover(tiny_ckpt, tmp_path / precision, cfg, show_progress=False)
+        assert meta["training"]["mixed_precision"] == ("no" if precision == "fp32" else "bf16")
+        runs[precision] = [json.loads(line)["loss"] for line in (tmp_path / precision / "train_log.jsonl").read_text().splitlines()]
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert len(fp32) == len(bf16) == 4 and all(math.isfinite(x) for x in bf16)
+    assert fp32 != bf16  # bf16 really ran: it rounds differently
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--precision", "fp16"], "--precision 'fp16' must be one of"),
     (["--rank", "0"], "--rank 0 must be a positive integer"),
     (["--tokens", "-5"], "--tokens -5 must be a positive"),
     (["--objective", "mse"], "--objective 'mse' must be one of"),

@@ -27,7 +27,8 @@ from qrecover.recovery import mix as mixmod
 from qrecover.recovery import selfgen
 from qrecover.recovery.chat import IGNORE, encode_chat
 from qrecover.recovery.mix import Mix, MixLoader
-from qrecover.recovery.selfgen import INSTRUCTION_TYPES, META_PROMPT, generate_chat_data, seed_topics
+from qrecover.recovery.selfgen import (GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data,
+                                       seed_topics)
 
 
 @pytest.fixture(autouse=True)
@@ -265,6 +266,24 @@ def test_model_written_prompts_and_their_fallback(smol_tok, tmp_path):
     assert [r["prompt_source"] for r in rows] == ["template"] * 3
     assert [r["messages"][0]["content"] for r in rows] == [INSTRUCTION_TYPES[i][2].format(topic=topics[i]) for i in range(3)]
     assert json.loads(path.with_suffix(".json").read_text())["prompt_source"] == {"model": 0, "template": 3}
+
+
+def test_general_topics_pair_builtin_subjects_with_writing_tasks(smol_tok, tmp_path):
+    """topics_source='general': the built-in everyday subjects (seeded shuffle) with the writing tasks, in their
+    own cache file (the settings record which prompt set wrote it)."""
+    import random
+
+    path = _gen(Parrot(smol_tok), smol_tok, tmp_path / "out", n=12, seed=3, max_new_tokens=200, topics_source="general")
+    topics = list(GENERAL_TOPICS)
+    random.Random(3).shuffle(topics)
+    rows = _rows(path)
+    assert [r["messages"][0]["content"] for r in rows] == [GENERAL_TYPES[i % 10][2].format(topic=topics[i]) for i in range(12)]
+    assert [r["instruction_type"] for r in rows[:10]] == [t[0] for t in GENERAL_TYPES]
+    settings = json.loads(path.with_suffix(".json").read_text())["settings"]
+    assert settings["topics_source"] == "general" and settings["instruction_types"][0][0] == "story"
+    docs_path = _gen(Parrot(smol_tok), smol_tok, tmp_path / "out", n=12, seed=3, max_new_tokens=200,
+                     topics_source=str(_topics_dir(tmp_path)))
+    assert docs_path != path
 
 
 @pytest.mark.parametrize("raw, clean", [

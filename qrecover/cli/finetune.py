@@ -30,6 +30,7 @@ def finetune(
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Optimizer steps between resumable checkpoints."),
+    precision: str = typer.Option("auto", "--precision", help="'auto' (bf16 autocast where the device computes it natively), 'bf16' or 'fp32'."),
     seed: int = typer.Option(0, "--seed", help="Data-order seed."),
     allow_foreign_adapter: bool = typer.Option(False, "--allow-foreign-adapter", help="Accept an init adapter trained on another checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train again from scratch if OUT exists."),
@@ -44,7 +45,8 @@ def finetune(
     if overwrite and resume:
         raise QRecoverError("--overwrite and --resume contradict each other; pick one")
     cfg = RecoverConfig(objective="ce", tokens=tokens, lr=lr, seq_len=seq_len, batch_size=batch_size,
-                        grad_accum=grad_accum, checkpoint_every=checkpoint_every, seed=seed, decontaminate=False)
+                        grad_accum=grad_accum, checkpoint_every=checkpoint_every, seed=seed, decontaminate=False,
+                        precision=precision)
     meta = run(checkpoint, init_adapter, data, out, cfg, overwrite=overwrite, resume=resume,
                show_progress=not json_out, allow_foreign_adapter=allow_foreign_adapter)
     summary = {"out": str(out), "rank": meta["rank"], "bytes": meta["bytes"]["tensors"], "bpw_cost": meta["bpw_cost"],

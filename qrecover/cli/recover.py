@@ -7,7 +7,10 @@ from typing import Optional
 
 import typer
 
+from ..recovery.config import RecoverConfig
 from .common import JsonOpt, console, emit_json, parse_ints
+
+D = RecoverConfig.default
 
 EXAMPLES = """Examples:
 
@@ -27,19 +30,20 @@ The adapter directory is standard PEFT: PeftModel.from_pretrained(qrecover.load(
 
 def recover(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),
-    rank: int = typer.Option(16, "--rank", "-r", help="LoRA rank."),
+    rank: int = typer.Option(D("rank"), "--rank", "-r", help="LoRA rank."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Several ranks in one command, e.g. 8,16,32: one adapter each, in OUT/rank-R."),
     mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped recovery/default-mix.toml."),
-    tokens: int = typer.Option(65536, "--tokens", "-t", help="Training tokens per adapter."),
-    objective: str = typer.Option("kd", "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
-    kd_weight: float = typer.Option(0.5, "--kd-weight", help="With --objective mix: weight of the distillation term."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per packed training sequence."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per micro-batch (per process)."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens per adapter."),
+    objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
+    kd_weight: float = typer.Option(D("kd_weight"), "--kd-weight", help="With --objective mix: weight of the distillation term."),
+    lr: float = typer.Option(D("lr"), "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    seq_len: int = typer.Option(D("seq_len"), "--seq-len", help="Tokens per packed training sequence."),
+    batch_size: int = typer.Option(D("batch_size"), "--batch-size", help="Sequences per micro-batch (per process)."),
+    grad_accum: int = typer.Option(D("grad_accum"), "--grad-accum", help="Micro-batches per optimizer step."),
     targets: str = typer.Option("all", "--targets", help="'all' quantized projections, or 'top:N' = the N most damaged layers (a smaller adapter)."),
-    checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only at the end)."),
+    checkpoint_every: int = typer.Option(D("checkpoint_every"), "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only at the end)."),
     gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in backward: less memory, slower."),
+    precision: str = typer.Option(D("precision"), "--precision", help="'auto' (bf16 autocast where the device computes bf16 natively: CUDA, CPUs with AVX512-BF16/AMX; else fp32), 'bf16' or 'fp32'."),
     no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in memory."),
     no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the evaluation sets."),
     seed: int = typer.Option(0, "--seed", help="Seed for the adapter initialisation and data order."),
@@ -52,7 +56,6 @@ def recover(
     """Train LoRA recovery adapters on the frozen quantized model (AFM section 5): PEFT adapters in 16 bits."""
     from ..errors import QRecoverError
     from ..recovery.api import recover as run
-    from ..recovery.config import RecoverConfig
 
     if overwrite and resume:
         raise QRecoverError("--overwrite and --resume contradict each other; pick one")
@@ -62,7 +65,7 @@ def recover(
     configs = [RecoverConfig(rank=r, tokens=tokens, mix=None if mix is None else str(mix), objective=objective,
                              kd_weight=kd_weight, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                              targets=targets, checkpoint_every=checkpoint_every,
-                             gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache,
+                             gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
                              decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
     if mix is not None and not mix.is_file():
         raise QRecoverError(f"--mix {str(mix)!r} does not exist; pass a recipe TOML such as recovery/default-mix.toml")

@@ -11,6 +11,7 @@ from ..errors import QRecoverError
 from ..schemes.base import doc_field
 
 OBJECTIVES = ("ce", "kd", "mix")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -24,9 +25,10 @@ class RecoverConfig:
     kd_weight: float = doc_field(0.5, "with objective 'mix': loss = (1 - kd_weight) * CE + kd_weight * KL")
     temperature: float = doc_field(1.0, "distillation temperature (1 = match the teacher's distribution as is)")
     seq_len: int = doc_field(512, "tokens per packed training sequence")
-    batch_size: int = doc_field(4, "sequences per micro-batch (per process)")
+    batch_size: int = doc_field(1, "sequences per micro-batch (per process); 1 x 512 tokens = more optimizer steps per token, "
+                                   "which closed more of the gap than 4 x 512 at equal tokens on the default model")
     grad_accum: int = doc_field(1, "micro-batches per optimizer step")
-    lr: float = doc_field(1e-3, "peak learning rate (AdamW)")
+    lr: float = doc_field(2e-3, "peak learning rate (AdamW); 2e-3 beat 1e-3 and matched 4e-3 at batch 1 on the default model")
     warmup: float = doc_field(0.05, "fraction of steps of linear warm-up")
     min_lr_ratio: float = doc_field(0.1, "the cosine schedule ends at this fraction of the peak lr")
     weight_decay: float = doc_field(0.0, "AdamW weight decay on the adapter weights")
@@ -35,6 +37,8 @@ class RecoverConfig:
     seed: int = doc_field(0, "seed for initialisation and data order")
     checkpoint_every: int = doc_field(50, "optimizer steps between resumable checkpoints; 0 = only at the end")
     gradient_checkpointing: bool = doc_field(False, "recompute activations in backward (less memory, ~30% slower)")
+    precision: str = doc_field("auto", "'bf16' autocast (fp32 adapter weights and loss), 'fp32', or 'auto' = bf16 where the "
+                               "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
     decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
 
@@ -48,6 +52,8 @@ class RecoverConfig:
             raise QRecoverError(f"--tokens {self.tokens!r} must be a positive number of training tokens, e.g. --tokens 65536")
         if self.objective not in OBJECTIVES:
             raise QRecoverError(f"--objective {self.objective!r} must be one of {', '.join(OBJECTIVES)}")
+        if self.precision not in PRECISIONS:
+            raise QRecoverError(f"--precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise QRecoverError(f"--kd-weight {self.kd_weight} must be in [0, 1]")
         for name in ("seq_len", "batch_size", "grad_accum"):
@@ -71,6 +77,11 @@ class RecoverConfig:
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step on one process."""
         return self.batch_size * self.grad_accum * self.seq_len
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field ``name`` (the CLI's defaults are these, so the two never drift apart)."""
+        return cls.__dataclass_fields__[name].default
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -64,7 +64,7 @@ KIND_KEYS: dict[str, tuple[str, ...]] = {
     "parquet": ("path", "field", "messages_field", "max_documents"),
     "hf": ("dataset", "config", "split", "data_files", "revision", "field", "messages_field", "max_documents", "shuffle_buffer"),
     "builtin": ("max_documents",),
-    "selfgen": ("samples", "max_new_tokens", "temperature", "top_p", "seed", "model", "batch_size", "prompt_mode"),
+    "selfgen": ("samples", "max_new_tokens", "temperature", "top_p", "seed", "model", "batch_size", "prompt_mode", "topics"),
 }
 PLAN_VERSION = 1
 STATE_VERSION = 1
@@ -98,6 +98,9 @@ class Source:
     model: str | None = doc_field(None, "selfgen: the instruct model that writes the data (None = the loader's `model`, else the built-in default)")
     batch_size: int = doc_field(16, "selfgen: prompts generated together")
     prompt_mode: str = doc_field("template", "selfgen: 'template' (instruction templates filled with topics) or 'model' (the model writes the requests)")
+    topics: str = doc_field("python-docs", "selfgen: where request topics come from: a text source's train-split section titles "
+                                           "('python-docs' = the built-in docs), or 'general' = built-in everyday subjects with "
+                                           "writing tasks (stories, poems, letters, ...)")
 
     def to_dict(self) -> dict[str, Any]:
         """The keys that apply to this kind, None values left out."""
@@ -110,7 +113,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "messages_field": (str,), "dataset": (str,), "config": (str,), "data_files": (str,), "revision": (str,),
     "max_documents": (int,), "shuffle_buffer": (int,), "samples": (int,), "max_new_tokens": (int,),
     "temperature": (int, float), "top_p": (int, float), "seed": (int,), "model": (str,), "batch_size": (int,),
-    "prompt_mode": (str,),
+    "prompt_mode": (str,), "topics": (str,),
 }
 
 
@@ -772,7 +775,8 @@ class MixLoader:
             path = generate_chat_data(model, self.tokenizer if model is not None and not isinstance(model, (str, os.PathLike)) else None,
                                       n=src.samples, seed=src.seed, max_new_tokens=src.max_new_tokens,
                                       temperature=src.temperature, top_p=src.top_p, batch_size=src.batch_size,
-                                      prompt_mode=src.prompt_mode, show_progress=self.show_progress)
+                                      prompt_mode=src.prompt_mode, topics_source=src.topics,
+                                      show_progress=self.show_progress)
             docs = _JsonlDocs([path], Source(name=src.name, kind="jsonl", weight=src.weight, path=str(path)))
         else:  # pragma: no cover - validated in _source_from_dict
             raise QRecoverError(f"unknown kind {src.kind!r}")

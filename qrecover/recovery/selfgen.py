@@ -61,6 +61,36 @@ INSTRUCTION_TYPES: tuple[tuple[str, str, str], ...] = (
     ("quiz", "a request for a multiple-choice quiz question about {topic}, with its answer", "Write one multiple-choice quiz question about {topic}, with the answer."),
     ("email", "a request to write a short email to a colleague about {topic}", "Write a short email to a colleague recommending {topic}."),
 )
+# The built-in 'general' prompt set: everyday English subjects with writing tasks (stories, poems, letters, ...), so
+# that recovery also sees the teacher's prose far from the technical text of the docs. Fixed lists written for
+# qrecover (never taken from an evaluation set); decontamination still checks what the model writes.
+GENERAL_TOPICS: tuple[str, ...] = (
+    "the sea", "a lighthouse keeper", "a small market town", "winter in the mountains", "an old friendship",
+    "a long journey by train", "the history of bread", "honey bees", "a ruined castle", "a summer storm", "courage",
+    "a village baker", "the night sky", "a lost letter", "rivers", "a stubborn goat", "the first day at a new school",
+    "a family dinner", "autumn leaves", "an inventor", "a desert caravan", "music", "a rainy afternoon in the city",
+    "the moon", "gardening", "a sailor returning home", "kindness to strangers", "an ancient forest", "a chess game",
+    "the invention of printing", "a wedding", "foxes", "a busy harbour", "learning to swim", "a painter", "trust",
+    "the farmer's year", "a snowy village", "an old clock", "a fisherman", "the Roman roads", "volcanoes",
+    "a quarrel between brothers", "a travelling circus", "the library", "a mountain climber", "a queen's decision",
+    "spring flowers", "a thunderstorm at sea", "the post office", "a grandmother's recipe", "a haunted house", "whales",
+    "an election in a small town", "a blacksmith", "the wind", "a shipwreck", "hope", "a street musician",
+    "a journey across the ocean", "a horse race", "a river at dawn",
+)
+GENERAL_TYPES: tuple[tuple[str, str, str], ...] = (
+    ("story", "a request for a short story about {topic}", "Write a short story about {topic}."),
+    ("poem", "a request for a poem about {topic}", "Write a poem about {topic}."),
+    ("letter", "a request for a letter to a friend about {topic}", "Write a letter to a friend about {topic}."),
+    ("dialogue", "a request for a dialogue about {topic}", "Write a dialogue between two people about {topic}."),
+    ("describe", "a request to describe {topic} vividly", "Describe {topic} in vivid detail."),
+    ("history", "a question about the history of {topic}", "Tell me about the history of {topic}."),
+    ("child", "a request to explain {topic} to a child", "Explain {topic} to a curious child."),
+    ("opinion", "a question asking for an opinion on {topic}", "What do you think about {topic}? Give your reasons."),
+    ("speech", "a request for a short speech about {topic}", "Write a short speech about {topic}."),
+    ("diary", "a request for a diary entry about {topic}", "Write a diary entry about {topic}."),
+)
+GENERAL = "general"
+
 META_PROMPT = ("Write one message that a user could send to an AI assistant: {description}.\n"
                "Reply with the user's message only.")
 
@@ -193,7 +223,9 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     or a loaded ``nn.Module`` (then ``tokenizer`` is required). ``max_new_tokens``: answer cap;
     ``prompt_mode``: "template" (requests = instruction templates filled with topics) or "model" (the model
     writes them; ``prompt_max_new_tokens`` caps them). ``temperature=0``: greedy.
-    ``out_dir``: where the cache lives (default ``cache_dir()/selfgen``).
+    ``out_dir``: where the cache lives (default ``cache_dir()/selfgen``). ``topics_source``: a text source whose
+    train-split section titles seed the requests (with :data:`INSTRUCTION_TYPES`), or ``"general"``: the built-in
+    everyday subjects :data:`GENERAL_TOPICS` with the writing tasks :data:`GENERAL_TYPES`.
     """
     for name, v in (("n", n), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size),
                     ("prompt_max_new_tokens", prompt_max_new_tokens)):
@@ -207,7 +239,8 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     if is_module and tokenizer is None:
         raise QRecoverError("generate_chat_data got a model object without its tokenizer; pass tokenizer=")
 
-    topics = seed_topics(topics_source)
+    topics = list(GENERAL_TOPICS) if topics_source == GENERAL else seed_topics(topics_source)
+    types = GENERAL_TYPES if topics_source == GENERAL else INSTRUCTION_TYPES
     rng = random.Random(seed)
     rng.shuffle(topics)
     weights_sha, model_name = _weights_sha(model_spec_or_model)
@@ -217,7 +250,7 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
                 **({"prompt_max_new_tokens": prompt_max_new_tokens, "meta_prompt": META_PROMPT} if prompt_mode == "model" else {}),
                 "batch_size": batch_size, "topics_source": topics_source,
                 "topics_sha256": hashlib.sha256("\n".join(topics).encode()).hexdigest(),
-                "instruction_types": [list(t) for t in INSTRUCTION_TYPES],
+                "instruction_types": [list(t) for t in types],
                 "chat_template_sha256": hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest() if tokenizer is not None else None}
     settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     folder = Path(out_dir) if out_dir is not None else cache_dir() / "selfgen"
@@ -241,7 +274,7 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
 
     plan = []
     for i in range(n):
-        kind, description, template = INSTRUCTION_TYPES[i % len(INSTRUCTION_TYPES)]
+        kind, description, template = types[i % len(types)]
         topic = topics[i % len(topics)]
         plan.append((topic, kind, description.format(topic=topic), template.format(topic=topic)))
 
@@ -282,4 +315,4 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     return path
 
 
-__all__ = ["INSTRUCTION_TYPES", "META_PROMPT", "seed_topics", "generate_chat_data"]
+__all__ = ["INSTRUCTION_TYPES", "GENERAL_TOPICS", "GENERAL_TYPES", "META_PROMPT", "seed_topics", "generate_chat_data"]
