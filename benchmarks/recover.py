@@ -211,6 +211,8 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         "peak MB is the training process's peak resident memory (teacher + student in fp32). This invocation "
         f"took {seconds / 60:.0f} min (rows finished by an earlier invocation are reused with their own timings).\n",
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
+        "The trials that chose the training defaults (batch, learning rate, the data mix's general chats) are in "
+        "reports/recover-tuning.md.\n",
         "| checkpoint | quantized ppl (ood / in) | adapter | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
