@@ -239,8 +239,10 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     if is_module and tokenizer is None:
         raise QRecoverError("generate_chat_data got a model object without its tokenizer; pass tokenizer=")
 
-    topics = list(GENERAL_TOPICS) if topics_source == GENERAL else seed_topics(topics_source)
-    types = GENERAL_TYPES if topics_source == GENERAL else INSTRUCTION_TYPES
+    if topics_source == GENERAL:
+        topics, types = list(GENERAL_TOPICS), GENERAL_TYPES
+    else:
+        topics, types = seed_topics(topics_source), INSTRUCTION_TYPES
     rng = random.Random(seed)
     rng.shuffle(topics)
     weights_sha, model_name = _weights_sha(model_spec_or_model)
