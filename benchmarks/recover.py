@@ -10,17 +10,18 @@ recovered models on
 
 gap closed = (ppl_quantized - ppl_recovered) / (ppl_quantized - ppl_original).
 
-Rows (each a curve: perplexity at 1/8, 1/4, 1/2 and all of its tokens): a long distillation run at 3.5 bpw rank 16
-(the one-hour target); both objectives (distillation 'kd' and cross-entropy 'ce') at 3.5 bpw rank 16; 3.7 bpw
+Rows (each a curve: perplexity at 0 tokens = as initialised, then at 1/8, 1/4, 1/2 and all of its tokens): a long
+distillation run at 3.5 bpw rank 16 (the one-hour target); both objectives (distillation 'kd' and cross-entropy
+'ce') at 3.5 bpw rank 16; both initialisations (the default error-SVD init and PEFT's B = 0, ':zero'); 3.7 bpw
 rank 16 (kd); ranks 8, 16 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter on the most damaged layers only.
 Then the speed of the training base path: dequantized weights cached in memory or dequantized every forward,
 bf16 autocast or fp32, in the same process.
 Adapter sizes are from the written files, with their cost in bits per weight of the base model.
 
-    python benchmarks/recover.py                 # ~1.5 h on 2 CPU cores
+    python benchmarks/recover.py                 # ~2 h on 2 CPU cores
     python benchmarks/recover.py --quick         # a smoke test (few tokens, few windows)
-    python benchmarks/recover.py --runs 3.5:kd:16@524288 --no-speed --name recover-long
-                                                 # one longer run (reports/recover-long.md)
+    python benchmarks/recover.py --runs 3.5:kd:16@262144 --no-speed --name recover-long
+                                                 # only the long run (reports/recover-long.md)
 
 Writes reports/recover.md and reports/recover.json; checkpoints and adapters go to benchmarks/out/recover/.
 """
@@ -41,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 from qrecover import api  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
-from qrecover.recovery.api import recover  # noqa: E402
+from qrecover.io_utils import sha256_file  # noqa: E402
+from qrecover.recovery.api import default_mix_path, recover  # noqa: E402
 from qrecover.recovery.config import RecoverConfig  # noqa: E402
 from qrecover.recovery.train import peak_memory_bytes  # noqa: E402
 
@@ -75,26 +77,50 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     return paths
 
 
-# BPW:OBJECTIVE:RANK[:top:N][@TOKENS]: every run is a curve (held-out perplexity at 1/8, 1/4, 1/2 and all of
-# its tokens). The first is the long run of the one-hour target; the rank rows compare ranks at equal tokens.
-DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:ce:16", "3.7:kd:16", "3.5:kd:8", "3.5:kd:16", "3.5:kd:32",
-                "3.5:kd:16:top:70"]
+# BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][@TOKENS]: every run is a curve (held-out perplexity as initialised and at
+# 1/8, 1/4, 1/2 and all of its tokens). The first is the long run of the one-hour target; the others compare
+# objectives, bit widths, ranks, a smaller adapter and the initialisation (':zero' = PEFT's B = 0 instead of the
+# default error-SVD init, at the lr that suits it) at equal tokens.
+DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
+                "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
+                "3.5:kd:16:top:70@16384"]
 
 
-def parse_runs(spec: str, tokens: int) -> list[tuple[float, str, int, str, int]]:
-    """``"3.5:kd:16@262144,3.5:kd:16:top:70"`` -> ``[(bpw, objective, rank, targets, tokens)]`` (``tokens``
-    where an item names none)."""
+def parse_runs(spec: str, tokens: int) -> list[dict]:
+    """``"3.5:kd:16@262144,3.5:kd:16:top:70:zero:lr=2e-3"`` -> one dict per run with keys bpw, objective, rank,
+    targets, init, lr (None = the RecoverConfig default) and tokens (``tokens`` where an item names none)."""
     runs = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         body, _, n = item.partition("@")
-        parts = body.split(":", 3)
-        if (len(parts) < 3 or parts[1] not in ("kd", "ce", "mix") or not parts[2].isdigit()
-                or (n and not n.isdigit())):
-            sys.exit(f"--runs item {item!r}: expected BPW:OBJECTIVE:RANK[:top:N][@TOKENS], e.g. 3.5:kd:16, "
-                     "3.5:kd:16:top:70 or 3.5:kd:16@262144")
-        runs.append((float(parts[0]), parts[1], int(parts[2]), parts[3] if len(parts) == 4 else "all",
-                     int(n) if n else tokens))
+        parts = body.split(":")
+        run = {"targets": "all", "init": "svd", "lr": None}
+        ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
+        rest = parts[3:]
+        while ok and rest:
+            if rest[0] == "top" and len(rest) >= 2 and rest[1].isdigit():
+                run["targets"], rest = f"top:{rest[1]}", rest[2:]
+            elif rest[0] in ("zero", "svd"):
+                run["init"], rest = rest[0], rest[1:]
+            elif rest[0].startswith("lr="):
+                try:
+                    run["lr"], rest = float(rest[0][3:]), rest[1:]
+                except ValueError:
+                    ok = False
+            else:
+                ok = False
+        if not ok:
+            sys.exit(f"--runs item {item!r}: expected BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][@TOKENS], e.g. "
+                     "3.5:kd:16, 3.5:kd:16:top:70, 3.5:kd:16:zero:lr=2e-3 or 3.5:kd:16@262144")
+        runs.append({"bpw": float(parts[0]), "objective": parts[1], "rank": int(parts[2]), **run,
+                     "tokens": int(n) if n else tokens})
     return runs
+
+
+def run_name(r: dict) -> str:
+    return (f"{r['bpw']}bpw-{r['objective']}-r{r['rank']}"
+            + ("" if r["targets"] == "all" else f"-{r['targets'].replace(':', '')}")
+            + ("" if r["init"] == "svd" else f"-{r['init']}") + ("" if r["lr"] is None else f"-lr{r['lr']:g}")
+            + f"-{r['tokens']}tok")
 
 
 def main() -> None:
@@ -104,7 +130,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens per text")
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                    help="comma-separated BPW:OBJECTIVE:RANK[:top:N][@TOKENS] runs "
+                    help="comma-separated BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][@TOKENS] runs "
                          f"(default: {','.join(DEFAULT_RUNS)})")
     ap.add_argument("--no-speed", action="store_true", help="skip the cached-vs-uncached base path measurement")
     ap.add_argument("--name", default="recover", help="report file stem: reports/NAME.md and NAME.json")
@@ -112,7 +138,7 @@ def main() -> None:
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
     tokens, windows = (1024, 2) if args.quick else (args.tokens, args.windows)
-    runs = [r[:4] + (min(r[4], tokens) if args.quick else r[4],) for r in parse_runs(args.runs, tokens)]
+    runs = [{**r, "tokens": min(r["tokens"], tokens) if args.quick else r["tokens"]} for r in parse_runs(args.runs, tokens)]
     seq_len = 128 if args.quick else args.seq_len
     out = Path(args.out)
     texts = {"ood": shakespeare_dir(), "in_domain": "python-docs"}
@@ -126,7 +152,7 @@ def main() -> None:
     teacher, tok, _ = load_model(None)
     original = ppl(teacher, tok)
     print("original", original, flush=True)
-    ckpts = checkpoints(out, sorted({r[0] for r in runs}))
+    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}))
     quantized, bpw = {}, {}
     for b, d in ckpts.items():
         m = api.load(d, cache=True)
@@ -139,23 +165,24 @@ def main() -> None:
 
     # --- recovery runs -------------------------------------------------------------------------------------
     rows = []
-    for b, objective, rank, targets, n_tokens in runs:
+    mix_sha = sha256_file(default_mix_path())
+    for run in runs:
+        b, objective, rank, targets, init, n_tokens = (run[k] for k in ("bpw", "objective", "rank", "targets", "init", "tokens"))
         milestones = sorted({n_tokens // 8, n_tokens // 4, n_tokens // 2})
-        cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, seq_len=seq_len,
-                            checkpoint_every=0)
-        points = [{"tokens": 0, "ppl": quantized[b], "gap_closed": {k: 0.0 for k in texts}}]
+        cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, init=init,
+                            seq_len=seq_len, checkpoint_every=0, **({} if run["lr"] is None else {"lr": run["lr"]}))
+        points = []  # the first at 0 tokens: the quantized model with the adapter as initialised
         per_step = cfg.tokens_per_step
 
         def measure(info, b=b, points=points, per_step=per_step, milestones=milestones):
-            if any(info["tokens"] - per_step < m <= info["tokens"] for m in milestones):
+            if info["step"] == 0 or any(info["tokens"] - per_step < m <= info["tokens"] for m in milestones):
                 p = ppl(info["model"], tok)
                 points.append({"tokens": info["tokens"], "ppl": p, "gap_closed": gap(b, p)})
                 print(b, objective, rank, info["tokens"], p, flush=True)
                 info["model"].train()
 
-        name = (f"{b}bpw-{objective}-r{rank}" + ("" if targets == "all" else f"-{targets.replace(':', '')}")
-                + ("" if n_tokens == tokens else f"-{n_tokens}tok"))
-        key = {"config": cfg.to_dict(), "milestones": milestones, "windows": windows,
+        name = run_name(run)
+        key = {"config": cfg.to_dict(), "milestones": milestones, "windows": windows, "mix_sha256": mix_sha,
                "checkpoint": api.read_manifest(ckpts[b])["weights_file"]["sha256"]}
         done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
         if done.is_file() and json.loads(done.read_text())["key"] == key:
@@ -171,7 +198,7 @@ def main() -> None:
         final = ppl(m, tok)
         points.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
         rows.append({"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
-                     "targets": targets, "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
+                     "targets": targets, "init": init, "lr": cfg.lr, "init_output_error_removed": meta["init"].get("output_error_removed"), "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
                      "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                      "train_seconds": meta["training"]["seconds"], "wall_seconds": seconds,
                      "data_setup_seconds": meta["training"]["data_setup_seconds"],
@@ -195,6 +222,11 @@ def main() -> None:
                  time.time() - t_start, peak_memory_bytes())
 
 
+def _init(row: dict) -> str:
+    removed = row.get("init_output_error_removed")
+    return row.get("init", "zero") + ("" if removed is None else f" ({100 * removed:.0f}%)")
+
+
 def write_report(report: Path, name: str, original, quantized, bpw, rows, speed, tokens, windows, seconds, peak) -> None:
     report.mkdir(parents=True, exist_ok=True)
     (report / f"{name}.json").write_text(json.dumps({
@@ -213,25 +245,25 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
         "The trials that chose the training defaults (batch, learning rate, the data mix's general chats) are in "
         "reports/recover-tuning.md.\n",
-        "| checkpoint | quantized ppl (ood / in) | adapter | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| checkpoint | quantized ppl (ood / in) | adapter | init (output error removed) | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q, f = quantized[r["bpw"]], r["curve"][-1]
         lines.append(
             f"| {r['measured_bpw']:.3f} bpw | {q['ood']:.2f} / {q['in_domain']:.2f} | {r['objective']} r{r['rank']} "
-            f"{'' if r['targets'] == 'all' else r['targets'] + ' '}({r['layers']} layers) | {r['adapter_mb']:.2f} | "
+            f"{'' if r['targets'] == 'all' else r['targets'] + ' '}({r['layers']} layers) | {_init(r)} | {r['adapter_mb']:.2f} | "
             f"{r['adapter_bpw_cost']:.3f} | {r['measured_bpw'] + r['adapter_bpw_cost']:.3f} | {f['tokens']:,} | "
             f"{f['ppl']['ood']:.2f} / {f['ppl']['in_domain']:.2f} | {100 * f['gap_closed']['ood']:.0f}% | "
             f"{100 * f['gap_closed']['in_domain']:.0f}% | {r['tok_per_s']:.0f} | {r['peak_memory_mb']:,.0f} |")
     lines += ["", "## Gap closed against tokens trained (out-of-domain / in-domain)", "",
               "Each run's own cosine schedule spans its whole token count, so a mid-run point is taken at a higher "
               "learning rate than the end of a shorter run.", "",
-              "| run | 0 | 1/8 | 1/4 | 1/2 | all |", "|---|---|---|---|---|---|"]
+              "| run | 0 (as initialised) | 1/8 | 1/4 | 1/2 | all |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | " + " | ".join(
             f"{p['tokens']:,} tok: {100 * p['gap_closed']['ood']:.0f}% / {100 * p['gap_closed']['in_domain']:.0f}%"
-            if p["tokens"] else "0%" for p in r["curve"]) + " |")
+            for p in r["curve"]) + " |")
     if speed:
         lines += ["", "## Training base path", "", "| setting | tokens/s |", "|---|---|"]
         lines += [f"| {k} | {v:.0f} |" for k, v in speed.items()]

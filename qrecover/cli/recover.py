@@ -36,6 +36,7 @@ def recover(
     tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens per adapter."),
     objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
     kd_weight: float = typer.Option(D("kd_weight"), "--kd-weight", help="With --objective mix: weight of the distillation term."),
+    init: str = typer.Option(D("init"), "--init", help="'svd': adapters start as the rank-r approximation of each layer's quantization error (weighted by calibration inputs; needs the unquantized model); 'zero': PEFT's default B = 0."),
     lr: float = typer.Option(D("lr"), "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
     seq_len: int = typer.Option(D("seq_len"), "--seq-len", help="Tokens per packed training sequence."),
     batch_size: int = typer.Option(D("batch_size"), "--batch-size", help="Sequences per micro-batch (per process)."),
@@ -63,7 +64,7 @@ def recover(
     if not rank_list:
         raise QRecoverError("--ranks must name at least one rank, e.g. --ranks 8,16,32")
     configs = [RecoverConfig(rank=r, tokens=tokens, mix=None if mix is None else str(mix), objective=objective,
-                             kd_weight=kd_weight, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                             kd_weight=kd_weight, init=init, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                              targets=targets, checkpoint_every=checkpoint_every,
                              gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
                              decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
@@ -77,7 +78,8 @@ def recover(
                    keep_checkpoints=keep_checkpoints)
         if not meta:  # a non-main process of a distributed run
             continue
-        results.append({"out": str(target), "rank": meta["rank"], "bytes": meta["bytes"]["tensors"],
+        results.append({"out": str(target), "rank": meta["rank"],
+                        "init_output_error_removed": meta["init"].get("output_error_removed"), "bytes": meta["bytes"]["tensors"],
                         "bpw_cost": meta["bpw_cost"], "tokens": meta["training"]["tokens"],
                         "final_loss": meta["training"]["final_loss"], "tok_per_s": meta["training"]["tok_per_s"],
                         "seconds": meta["training"]["seconds"]})
@@ -88,5 +90,8 @@ def recover(
 
     for r in results:
         console.print(f"[bold]{escape(r['out'])}[/]: rank {r['rank']}, {r['bytes'] / 1e6:.2f} MB in 16 bits "
-                      f"(+{r['bpw_cost']:.3f} bpw over the base model), {r['tokens']:,} tokens in {r['seconds']:.0f} s "
+                      f"(+{r['bpw_cost']:.3f} bpw over the base model), "
+                      + (f"init removed {100 * r['init_output_error_removed']:.0f}% of the layers' output error, "
+                         if r["init_output_error_removed"] is not None else "")
+                      + f"{r['tokens']:,} tokens in {r['seconds']:.0f} s "
                       f"({r['tok_per_s']:.0f} tok/s), final loss {r['final_loss']:.4f}")

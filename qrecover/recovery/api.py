@@ -15,6 +15,7 @@ has finished (``qrecover_adapter.json`` last), so a crash never leaves a loadabl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -29,9 +30,10 @@ from ..errors import QRecoverError
 from ..io_utils import sha256_file
 from ..models import load_model, resolve
 from .config import RecoverConfig
-from .lora import ADAPTER_META, attach_lora, base_identity, load_adapter, save_adapter
+from .lora import ADAPTER_META, attach_lora, base_identity, init_error_svd, load_adapter, save_adapter
 from .train import CHECKPOINTS, latest_checkpoint, train
 
+INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation
 DEFAULT_MIX = Path(__file__).resolve().parents[2] / "recovery" / "default-mix.toml"
 RUN_FILE = "run.json"
 
@@ -85,6 +87,26 @@ def load_teacher(manifest: dict[str, Any]) -> torch.nn.Module:
                             f"{source.weights_sha256[:12]}... vs {src['weights_sha256'][:12]}... in the manifest); "
                             "distillation needs the original: restore it, or use --objective ce")
     return model
+
+
+def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manifest: dict[str, Any],
+                     show_progress: bool) -> dict[str, Any]:
+    """``init='svd'``: every adapter starts as the input-weighted rank-r approximation of its layer's quantization
+    error, the inputs being the teacher's on the checkpoint's own calibration text (split ``calib``)."""
+    from rich.console import Console
+
+    from ..data import token_windows
+
+    calib = manifest.get("calibration") or {"source": "python-docs", "split": "calib"}
+    t0 = time.time()
+    with Console(stderr=True).status("initialising adapters from the quantization error", spinner="dots") \
+            if show_progress else contextlib.nullcontext():
+        windows = token_windows(tokenizer, calib["source"], calib.get("split", "calib"), INIT_WINDOWS, 512)
+        captured = init_error_svd(peft_model, teacher, windows)
+    return {"method": "svd", "calibration": {"source": calib["source"], "split": calib.get("split", "calib"),
+                                             "tokens": int(windows.numel())},
+            "output_error_removed": captured.pop("_total"), "seconds": round(time.time() - t0, 1),
+            "per_layer": captured}
 
 
 def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | None,
@@ -153,8 +175,10 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     torch.manual_seed(cfg.seed)  # the LoRA A initialisation
     peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg))
     peft_model.qrecover_manifest = manifest
-    if cfg.objective != "ce" and teacher is None:
+    if (cfg.objective != "ce" or cfg.init == "svd") and teacher is None:
         teacher = load_teacher(manifest)
+    # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
+    init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     from .train import total_steps
 
@@ -166,7 +190,7 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     if not summary["is_main_process"]:
         return {}
     return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,
-                   {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json")})
+                   {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json"), "init": init})
 
 
 def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_foreign_adapter: bool = False,

@@ -12,12 +12,16 @@ from ..schemes.base import doc_field
 
 OBJECTIVES = ("ce", "kd", "mix")
 PRECISIONS = ("auto", "bf16", "fp32")
+INITS = ("svd", "zero")
 
 
 @dataclass
 class RecoverConfig:
     rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)")
     alpha: float | None = doc_field(None, "LoRA alpha; None = 2 x rank (scaling 2)")
+    init: str = doc_field("svd", "'svd': B A starts as the rank-r approximation of the quantization error W - Q(W), weighted by the "
+                          "calibration inputs (LoftQ-style; needs the unquantized model); 'zero': PEFT's B = 0 (starts at the "
+                          "quantized model). `finetune` ignores it: a feature adapter starts from its --init-adapter")
     targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
     tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
     mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped recovery/default-mix.toml")
@@ -28,7 +32,9 @@ class RecoverConfig:
     batch_size: int = doc_field(1, "sequences per micro-batch (per process); 1 x 512 tokens = more optimizer steps per token, "
                                    "which closed more of the gap than 4 x 512 at equal tokens on the default model")
     grad_accum: int = doc_field(1, "micro-batches per optimizer step")
-    lr: float = doc_field(2e-3, "peak learning rate (AdamW); 2e-3 beat 1e-3 and matched 4e-3 at batch 1 on the default model")
+    lr: float = doc_field(5e-4, "peak learning rate (AdamW). With the 'svd' init the model starts close and a high lr first undoes "
+                          "part of that: 5e-4 beat 1e-3 and 2e-3 on the default model (reports/recover-tuning.md); "
+                          "with init 'zero', 2e-3 was best")
     warmup: float = doc_field(0.05, "fraction of steps of linear warm-up")
     min_lr_ratio: float = doc_field(0.1, "the cosine schedule ends at this fraction of the peak lr")
     weight_decay: float = doc_field(0.0, "AdamW weight decay on the adapter weights")
@@ -52,6 +58,8 @@ class RecoverConfig:
             raise QRecoverError(f"--tokens {self.tokens!r} must be a positive number of training tokens, e.g. --tokens 65536")
         if self.objective not in OBJECTIVES:
             raise QRecoverError(f"--objective {self.objective!r} must be one of {', '.join(OBJECTIVES)}")
+        if self.init not in INITS:
+            raise QRecoverError(f"--init {self.init!r} must be one of {', '.join(INITS)}")
         if self.precision not in PRECISIONS:
             raise QRecoverError(f"--precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if not 0.0 <= self.kd_weight <= 1.0:

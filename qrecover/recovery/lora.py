@@ -7,6 +7,12 @@ adapter is plain PEFT: ``adapter_config.json`` + ``adapter_model.safetensors``, 
 weights file), its rank and exact size, and how it was trained. :func:`load_adapter` refuses an adapter
 trained on another base unless told otherwise.
 
+Initialisation (``init_error_svd``): PEFT starts B at zero, so the adapter first has to find the quantization
+error by gradient descent. Instead, ``B A`` can start as the best rank-r approximation of the error itself,
+``W - Q(W)`` (LoftQ, Li et al. 2023), weighted by the layer's calibration inputs so that the directions the
+inputs actually excite come first (the norm ``E_x ||(W - Q - s B A) x||^2``; as in ASVD/CorDA). Training then
+starts from a model whose layer outputs are already closer to the unquantized ones.
+
 Sizes: each adapted layer ``W (out, in)`` gets ``A (r, in)`` and ``B (out, r)``, stored in 16 bits:
 ``2 * r * (in + out)`` bytes. Its cost in bits per weight of the base model is ``bytes * 8 / parameters``.
 """
@@ -68,6 +74,87 @@ def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout
     config = LoraConfig(r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
                         target_modules=quantized_targets(model, targets), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def lowrank_correction(error: torch.Tensor, gram: torch.Tensor | None, rank: int, scaling: float,
+                       damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, A)`` with ``scaling * B @ A`` the rank-``rank`` matrix closest to ``error`` (out, in) in the
+    norm its layer's inputs induce: it minimises ``||(error - scaling B A) S||_F`` with ``S = H^(1/2)``,
+    ``H = gram + damp * mean(diag(gram)) * I`` the inputs' second moment ``E[x x^T]`` (``gram=None``: plain
+    Frobenius norm). By Eckart-Young the minimiser is the truncated SVD of ``error @ S``, mapped back by
+    ``S^-1``. B and A share the singular values
+    evenly (both ``sqrt(sigma / scaling)``). Computed in float64.
+    """
+    e = error.double()
+    if gram is None:
+        s_half = s_inv = torch.eye(e.shape[1], dtype=torch.float64)
+    else:
+        h = gram.double()
+        h = h + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(h.shape[0], dtype=torch.float64)
+        ev, v = torch.linalg.eigh(h)
+        ev = ev.clamp_min(1e-12)
+        s_half, s_inv = (v * ev.sqrt()) @ v.T, (v / ev.sqrt()) @ v.T
+    u, sigma, vh = torch.linalg.svd(e @ s_half, full_matrices=False)
+    r = min(rank, sigma.numel())
+    k = (sigma[:r] / scaling).sqrt()
+    b = torch.zeros(e.shape[0], rank, dtype=torch.float64)
+    a = torch.zeros(rank, e.shape[1], dtype=torch.float64)
+    b[:, :r] = u[:, :r] * k
+    a[:r] = (k[:, None] * vh[:r]) @ s_inv
+    return b, a
+
+
+def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Tensor,
+                   damp: float = 0.01) -> dict[str, float]:
+    """Set every adapter's ``B A`` to the input-weighted rank-r approximation of its layer's quantization error.
+
+    ``teacher``: the unquantized model (same module names); ``windows``: ``(n, seq_len)`` calibration token ids,
+    run through the teacher to collect each layer's input second moment ``H``. Returns, per layer, the fraction of
+    its output error on those inputs, ``tr(E H E^T)``, that the initial adapter removes, and under ``"_total"``
+    the same over all layers together.
+    """
+    layers = {name.removeprefix("base_model.model."): mod for name, mod in peft_model.named_modules()
+              if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
+    modules = dict(teacher.named_modules())
+    missing = sorted(set(layers) - set(modules))
+    if missing:
+        raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
+                            "was compressed from; use --init zero")
+    grams: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name):
+        def fn(_mod, inputs, _out):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            grams[name] = grams.get(name, 0) + x.T @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return fn
+
+    handles = [modules[n].register_forward_hook(hook(n)) for n in layers]
+    try:
+        with torch.no_grad():
+            for w in windows:
+                teacher(input_ids=w.unsqueeze(0).to(next(teacher.parameters()).device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    captured, before, after = {}, 0.0, 0.0
+    with torch.no_grad():
+        for n, mod in layers.items():
+            a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+            scaling = mod.scaling["default"]
+            error = modules[n].weight.detach().double().cpu() - mod.base_layer.weight.detach().double().cpu()
+            gram = grams[n].cpu() / counts[n]
+            b, a = lowrank_correction(error, gram, a_w.shape[0], scaling, damp)
+            b_w.copy_(b.to(b_w))
+            a_w.copy_(a.to(a_w))
+            rest = error - scaling * b_w.detach().double().cpu() @ a_w.detach().double().cpu()
+            e0 = float(torch.einsum("oi,ij,oj->", error, gram, error))
+            e1 = float(torch.einsum("oi,ij,oj->", rest, gram, rest))
+            captured[n] = 1.0 - e1 / e0 if e0 > 0 else 0.0
+            before, after = before + e0, after + e1
+    captured["_total"] = 1.0 - after / before if before > 0 else 0.0
+    return captured
 
 
 def adapter_layers(peft_model: nn.Module) -> dict[str, tuple[int, int, int]]:

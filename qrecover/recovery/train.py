@@ -131,7 +131,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     ``loader``: iterable of ``{"input_ids", "labels"}`` sequences with ``state_dict()``/``load_state_dict()``.
     ``teacher``: the unquantized model, needed by the 'kd' and 'mix' objectives.
-    ``callback(info)``: called on the main process after every optimizer step (and checkpoint), with
+    ``callback(info)``: called on the main process once before the first step of a fresh run (``step`` 0, ``loss``
+    NaN: the model as initialised) and after every optimizer step (and checkpoint), with
     ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
     """
     from accelerate import Accelerator
@@ -199,6 +200,9 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         stream = itertools.chain([next(stream)], stream)
     setup_seconds = time.perf_counter() - t_setup
     train_seconds, tokens0 = 0.0, tokens
+    if callback is not None and accelerator.is_main_process and step == 0:
+        callback({"step": 0, "tokens": 0, "loss": float("nan"), "model": accelerator.unwrap_model(model)})
+        model.train()
     with _progress(show_progress and accelerator.is_main_process) as bar:
         task = bar.add_task(description, total=steps * cfg.tokens_per_step * world, completed=tokens,
                             speed=0.0, loss=float("nan"))
