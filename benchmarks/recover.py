@@ -223,8 +223,10 @@ def main() -> None:
 
 
 def _init(row: dict) -> str:
-    removed = row.get("init_output_error_removed")
-    return row.get("init", "zero") + ("" if removed is None else f" ({100 * removed:.0f}%)")
+    """'svd (40%)' or 'zero, lr 0.002': the init, what it removed, and the lr where it is not the default."""
+    removed, lr = row.get("init_output_error_removed"), row.get("lr")
+    return (row.get("init", "zero") + ("" if removed is None else f" ({100 * removed:.0f}%)")
+            + ("" if lr is None or lr == RecoverConfig.default("lr") else f", lr {lr:g}"))
 
 
 def write_report(report: Path, name: str, original, quantized, bpw, rows, speed, tokens, windows, seconds, peak) -> None:
@@ -243,9 +245,9 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         "peak MB is the training process's peak resident memory (teacher + student in fp32). This invocation "
         f"took {seconds / 60:.0f} min (rows finished by an earlier invocation are reused with their own timings).\n",
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
-        "The trials that chose the training defaults (batch, learning rate, the data mix's general chats) are in "
+        "The trials that chose the training defaults (the svd init, batch, learning rate, the data mix's general chats) are in "
         "reports/recover-tuning.md.\n",
-        "| checkpoint | quantized ppl (ood / in) | adapter | init (output error removed) | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
+        "| checkpoint | quantized ppl (ood / in) | adapter | init (output error removed), lr if not the default | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
