@@ -97,14 +97,14 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manif
 
     from ..data import token_windows
 
-    calib = manifest.get("calibration") or {"source": "python-docs", "split": "calib"}
+    calib = manifest.get("calibration") or {}
+    source, split = calib.get("source", "python-docs"), calib.get("split", "calib")
     t0 = time.time()
     with Console(stderr=True).status("initialising adapters from the quantization error", spinner="dots") \
             if show_progress else contextlib.nullcontext():
-        windows = token_windows(tokenizer, calib["source"], calib.get("split", "calib"), INIT_WINDOWS, 512)
+        windows = token_windows(tokenizer, source, split, INIT_WINDOWS, 512)
         captured = init_error_svd(peft_model, teacher, windows)
-    return {"method": "svd", "calibration": {"source": calib["source"], "split": calib.get("split", "calib"),
-                                             "tokens": int(windows.numel())},
+    return {"method": "svd", "calibration": {"source": source, "split": split, "tokens": int(windows.numel())},
             "output_error_removed": captured.pop("_total"), "seconds": round(time.time() - t0, 1),
             "per_layer": captured}
 

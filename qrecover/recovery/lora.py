@@ -76,14 +76,19 @@ def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout
     return get_peft_model(model, config)
 
 
+def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
+    """``{layer name in the base model: PEFT LoRA layer}`` for every layer with a 'default' adapter."""
+    return {name.removeprefix("base_model.model."): mod for name, mod in peft_model.named_modules()
+            if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
+
+
 def lowrank_correction(error: torch.Tensor, gram: torch.Tensor | None, rank: int, scaling: float,
                        damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, A)`` with ``scaling * B @ A`` the rank-``rank`` matrix closest to ``error`` (out, in) in the
     norm its layer's inputs induce: it minimises ``||(error - scaling B A) S||_F`` with ``S = H^(1/2)``,
     ``H = gram + damp * mean(diag(gram)) * I`` the inputs' second moment ``E[x x^T]`` (``gram=None``: plain
     Frobenius norm). By Eckart-Young the minimiser is the truncated SVD of ``error @ S``, mapped back by
-    ``S^-1``. B and A share the singular values
-    evenly (both ``sqrt(sigma / scaling)``). Computed in float64.
+    ``S^-1``. B and A share the singular values evenly (both ``sqrt(sigma / scaling)``). Computed in float64.
     """
     e = error.double()
     if gram is None:
@@ -113,8 +118,7 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     its output error on those inputs, ``tr(E H E^T)``, that the initial adapter removes, and under ``"_total"``
     the same over all layers together.
     """
-    layers = {name.removeprefix("base_model.model."): mod for name, mod in peft_model.named_modules()
-              if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
+    layers = lora_modules(peft_model)
     modules = dict(teacher.named_modules())
     missing = sorted(set(layers) - set(modules))
     if missing:
@@ -130,11 +134,12 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
             counts[name] = counts.get(name, 0) + x.shape[0]
         return fn
 
+    device = next(teacher.parameters()).device
     handles = [modules[n].register_forward_hook(hook(n)) for n in layers]
     try:
         with torch.no_grad():
             for w in windows:
-                teacher(input_ids=w.unsqueeze(0).to(next(teacher.parameters()).device), use_cache=False)
+                teacher(input_ids=w.unsqueeze(0).to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -160,10 +165,9 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
 def adapter_layers(peft_model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """``{layer name: (rank, in_features, out_features)}`` for every adapted layer."""
     out = {}
-    for name, mod in peft_model.named_modules():
-        if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
-            a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
-            out[name.removeprefix("base_model.model.")] = (a.shape[0], a.shape[1], b.shape[0])
+    for name, mod in lora_modules(peft_model).items():
+        a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+        out[name] = (a.shape[0], a.shape[1], b.shape[0])
     return out
 
 
