@@ -20,7 +20,9 @@ from ..errors import QRecoverError
 #: - ``hessian``: ``(in_features, in_features)`` mean of x x^T (GPTQ's H, up to a factor 2)
 #: - ``element_sq``: ``(out_features, in_features)`` per-weight importance (diagonal Fisher); given for
 #:   the embedding, whose "input" is a token id
-STAT_NAMES = ("input_sq", "hessian", "element_sq")
+#: - ``out_grad_sq``: ``(out_features,)`` mean squared gradient of the loss w.r.t. the layer's outputs
+#:   (collected by the backward calibration pass; with ``input_sq`` it gives a per-element Fisher weight)
+STAT_NAMES = ("input_sq", "hessian", "element_sq", "out_grad_sq")
 
 
 @dataclass
@@ -56,6 +58,9 @@ class Quantizer:
 
     name: ClassVar[str]
     supported_bits: ClassVar[tuple[int, ...]]
+    #: the calibration statistics (names from STAT_NAMES) ``quantize`` reads; calibration computes only
+    #: what the chosen quantizers need. A subclass whose needs depend on its config overrides this with a
+    #: property (read it on an instance: ``get_quantizer(name, **params).needs``).
     needs: ClassVar[frozenset[str]] = frozenset()
     Config: ClassVar[type]
 
