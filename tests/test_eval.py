@@ -268,3 +268,184 @@ def test_cli_bad_task_name(tiny_model_dir, capsys):
 def test_cli_bad_input_exit_2(args, needle, capsys):
     code, _, err = run(["eval", *args], capsys)
     assert code == 2 and needle in err, err
+
+
+# --- evaluation leaves the process as it found it ---------------------------------------------------------
+
+OFFLINE_KEYS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")
+
+
+class GlobalState:
+    """What evaluation may touch: environment, hub/datasets flags, lm-eval's IFEval globals, langdetect's seed,
+    random states; set to sentinel values first (restored by monkeypatch) so that a leak cannot hide behind
+    an earlier test's leak."""
+
+    def __init__(self, monkeypatch):
+        import huggingface_hub.constants as hc
+        import langdetect
+        import datasets.config as dc
+
+        from qrecover.reports import ifeval_offline
+
+        with ev.ifeval_patched() as util:  # imports instructions_util without a download
+            pass
+        self.util, self.hc, self.dc, self.langdetect = util, hc, dc, langdetect
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(dc, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(dc, "HF_DATASETS_OFFLINE", False)
+        self.sentinel_tok, self.sentinel_nltk = object(), object()
+        monkeypatch.setattr(util, "_get_sentence_tokenizer", self.sentinel_tok)
+        monkeypatch.setattr(util, "nltk", self.sentinel_nltk)
+        monkeypatch.setattr(langdetect.DetectorFactory, "seed", 77)
+        assert not isinstance(self.sentinel_nltk, ifeval_offline._NltkProxy)
+        self.before = self.snapshot()
+
+    def snapshot(self):
+        import numpy as np
+
+        return {"env": {k: ev.os.environ.get(k) for k in OFFLINE_KEYS},
+                "flags": (self.hc.HF_HUB_OFFLINE, self.dc.HF_HUB_OFFLINE, self.dc.HF_DATASETS_OFFLINE),
+                "ifeval": (self.util._get_sentence_tokenizer, self.util.nltk, self.langdetect.DetectorFactory.seed),
+                "logger": ev.logging.getLogger("lm_eval").level,
+                "random": ev.random.getstate(), "numpy": np.random.get_state()[1].tolist(),
+                "torch": torch.get_rng_state()}
+
+    def assert_restored(self):
+        after = self.snapshot()
+        assert after["env"] == self.before["env"] == {"HF_HUB_OFFLINE": None, "HF_DATASETS_OFFLINE": "0",
+                                                      "TOKENIZERS_PARALLELISM": None}
+        assert after["flags"] == self.before["flags"] == (False, False, False)
+        assert after["ifeval"][0] is self.sentinel_tok and after["ifeval"][1] is self.sentinel_nltk
+        assert after["ifeval"][2] == 77 and after["logger"] == self.before["logger"]
+        assert after["random"] == self.before["random"] and after["numpy"] == self.before["numpy"]
+        assert torch.equal(after["torch"], self.before["torch"])
+
+    def assert_in_effect(self):
+        """Inside evaluation: offline, IFEval tokenizers installed."""
+        from qrecover.reports import ifeval_offline
+
+        assert ev.os.environ["HF_HUB_OFFLINE"] == "1" and ev.os.environ["HF_DATASETS_OFFLINE"] == "1"
+        assert (self.hc.HF_HUB_OFFLINE, self.dc.HF_HUB_OFFLINE, self.dc.HF_DATASETS_OFFLINE) == (True, True, True)
+        assert self.util._get_sentence_tokenizer is ifeval_offline.sentence_tokenizer
+        assert isinstance(self.util.nltk, ifeval_offline._NltkProxy)
+        assert self.langdetect.DetectorFactory.seed == ifeval_offline.LANGDETECT_SEED
+
+
+@pytest.fixture
+def loaded_models(monkeypatch):
+    """Every model ``load_any`` returns during the test."""
+    import qrecover.api
+
+    models, real = [], qrecover.api.load_any
+
+    def recording(*a, **k):
+        out = real(*a, **k)
+        models.append(out[0])
+        return out
+
+    monkeypatch.setattr(qrecover.api, "load_any", recording)
+    return models
+
+
+def test_evaluate_leaves_state_as_found(tiny_ckpt, eval_cache, no_network, loaded_models, monkeypatch):
+    state = GlobalState(monkeypatch)
+    seen, real_run = [], ev.run_lm_eval
+
+    def checking_run(lm, specs, *a, **k):
+        if any("ifeval" in s for s in specs):
+            state.assert_in_effect()
+        seen.append(specs)
+        return real_run(lm, specs, *a, **k)
+
+    monkeypatch.setattr(ev, "run_lm_eval", checking_run)
+    r = ev.evaluate(model=str(tiny_ckpt), tasks=["ifeval", "mmlu"], show_progress=False,
+                    limit=1, max_gen_toks=4, batch_size=1)
+    assert set(r.metrics) >= {"ifeval", "mmlu"} and len(seen) == 2
+    state.assert_restored()
+    (model,) = loaded_models
+    assert "tie_weights" not in vars(model) and model.tie_weights.__func__ is type(model).tie_weights
+
+
+def test_evaluate_restores_state_when_it_raises(tiny_ckpt, eval_cache, no_network, loaded_models, monkeypatch):
+    import lm_eval.models.huggingface as hf
+
+    state = GlobalState(monkeypatch)
+
+    class FailingHFLM:  # fails inside HFLM.__init__, after it called tie_weights()
+        def __init__(self, pretrained, **kwargs):
+            assert pretrained.tie_weights is ev._already_tied
+            assert ev.logging.getLogger("lm_eval").level == ev.logging.ERROR
+            raise RuntimeError("HFLM exploded")
+
+    monkeypatch.setattr(hf, "HFLM", FailingHFLM)
+    with pytest.raises(RuntimeError, match="HFLM exploded"):
+        ev.evaluate(model=str(tiny_ckpt), tasks=["mmlu"], show_progress=False, limit=1, batch_size=1)
+    state.assert_restored()
+    (model,) = loaded_models
+    assert "tie_weights" not in vars(model)
+    monkeypatch.undo()
+
+    state = GlobalState(monkeypatch)
+    real_run = ev.run_lm_eval
+
+    def failing_run(lm, specs, *a, **k):  # fails inside lm-eval with IFEval's patches in place
+        import random
+
+        random.seed(5)
+        state.assert_in_effect()
+        raise ValueError("lm-eval broke mid-run")
+
+    monkeypatch.setattr(ev, "run_lm_eval", failing_run)
+    with pytest.raises(ValueError, match="mid-run"):
+        ev.evaluate(model=str(tiny_ckpt), tasks=["ifeval"], show_progress=False, limit=1, max_gen_toks=4)
+    monkeypatch.setattr(ev, "run_lm_eval", real_run)
+    # run_lm_eval's own random states: its seeding is undone on an exception too
+    monkeypatch.setattr(ev, "load_tasks", lambda specs, include_defaults: {})
+
+    def failing_evaluate(**kwargs):
+        raise ValueError("inside")
+
+    monkeypatch.setattr("lm_eval.evaluator.evaluate", failing_evaluate)
+    state.before["random"] = ev.random.getstate()
+    with pytest.raises(ValueError, match="inside"):
+        ev.run_lm_eval(None, ["x.yaml"], 1, chat=False)
+    state.assert_restored()
+
+
+def test_lm_eval_error_surfaces_with_its_cause(no_network, monkeypatch):
+    """A hub task whose dataset is not cached is the one error said to be 'not available offline'; any other
+    error of lm-eval propagates as itself."""
+    import lm_eval.tasks
+    from lm_eval.api.task import ConfigurableTask
+
+    with ev.offline():
+        index = lm_eval.tasks.TaskManager(include_defaults=True)  # indexing lm-eval's tasks takes seconds: once
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_defaults: index)
+    with ev.offline(), pytest.raises(QRecoverError, match="arc_easy: the dataset is not available offline") as e:
+        ev.load_tasks(["arc_easy"], include_defaults=True)  # really not cached: datasets raises ConnectionError
+    assert isinstance(e.value.__cause__, ConnectionError)
+    assert "gsm8k, ifeval, mmlu" in str(e.value)
+
+    def broken(self, *a, **k):
+        raise ValueError("a bug in the task's preprocessing")
+
+    monkeypatch.setattr(ConfigurableTask, "download", broken)
+    with ev.offline(), pytest.raises(ValueError, match="preprocessing") as e:
+        ev.load_tasks(["arc_easy"], include_defaults=True)
+    assert not isinstance(e.value, QRecoverError)
+
+
+def test_offline_restores_on_exception(monkeypatch):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    with pytest.raises(KeyError), ev.offline():
+        assert ev.os.environ["HF_HUB_OFFLINE"] == "1" and hc.HF_HUB_OFFLINE is True
+        raise KeyError("x")
+    assert ev.os.environ["HF_HUB_OFFLINE"] == "0" and "HF_DATASETS_OFFLINE" not in ev.os.environ
+    assert hc.HF_HUB_OFFLINE is False

@@ -31,15 +31,20 @@ offline mode before lm-eval loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import importlib.util
+import io
 import json
 import logging
 import math
 import os
 import random
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,24 +174,99 @@ def mmlu_order(rows: list[dict[str, Any]], seed: int = SEED) -> list[dict[str, A
 # --- lm-eval plumbing -----------------------------------------------------------------------------------
 
 
-def offline() -> None:
-    """Hub and datasets libraries offline: the environment for modules not yet imported, the flags of those
-    already imported."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import sys
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# the module flags read from that environment when the module is imported: (module, flags)
+OFFLINE_FLAGS = (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+                 ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")))
+# what datasets / huggingface_hub raise when a hub dataset is not in the local cache and the network is off:
+# ConnectionError("Couldn't reach '...' on the Hub (OfflineModeIsEnabled)") and its subclass
+# OfflineModeIsEnabled; FileNotFoundError and its subclasses DatasetNotFoundError and LocalEntryNotFoundError
+OFFLINE_DATA_ERRORS = (ConnectionError, FileNotFoundError)
+_MISSING = object()
 
-    if "huggingface_hub" in sys.modules:
-        import huggingface_hub.constants as hc
 
-        hc.HF_HUB_OFFLINE = True
-    if "datasets" in sys.modules:
-        import datasets.config as dc
+@contextlib.contextmanager
+def restored_attrs(obj: Any, *names: str) -> Iterator[None]:
+    """Put ``obj``'s own attributes ``names`` back as they were on exit (deleted if it had none), also on an
+    exception: ``with restored_attrs(module, "flag"): module.flag = True``."""
+    saved = {n: vars(obj).get(n, _MISSING) for n in names}
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is not _MISSING:
+                setattr(obj, n, v)
+            elif n in vars(obj):
+                delattr(obj, n)
 
-        dc.HF_HUB_OFFLINE = True
-        if hasattr(dc, "HF_DATASETS_OFFLINE"):
-            dc.HF_DATASETS_OFFLINE = True
+
+@contextlib.contextmanager
+def restored_environ(*keys: str) -> Iterator[None]:
+    """Put the environment variables ``keys`` back as they were on exit (unset if they were), also on an exception."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """Hub and datasets libraries offline inside the block, as found after it (also after an exception).
+
+    Sets :data:`OFFLINE_ENV` (for modules imported inside the block) and the flags of :data:`OFFLINE_FLAGS`
+    (which those libraries read from the environment once, at import; imported here first, so that their
+    values before the block are known and restored exactly); ``TOKENIZERS_PARALLELISM`` is ``false`` unless set.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(restored_environ(*OFFLINE_ENV, "TOKENIZERS_PARALLELISM"))
+        os.environ.update(OFFLINE_ENV)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        for module, flags in OFFLINE_FLAGS:
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                continue
+            m = importlib.import_module(module)
+            present = [f for f in flags if hasattr(m, f)]
+            stack.enter_context(restored_attrs(m, *present))
+            for f in present:
+                setattr(m, f, True)
+        yield
+
+
+@contextlib.contextmanager
+def ifeval_patched() -> Iterator[Any]:
+    """:func:`.ifeval_offline.install` inside the block; lm-eval's ``instructions_util`` globals and langdetect's
+    seed as found after it. Yields the patched module."""
+    import langdetect
+    import nltk
+
+    if ifeval_offline._MODULE not in sys.modules:  # import it unpatched first, so its own globals are known
+        with restored_attrs(nltk, "download"), contextlib.redirect_stdout(io.StringIO()):
+            nltk.download = ifeval_offline._no_download  # its import-time download must not run
+            importlib.import_module(ifeval_offline._MODULE)
+    util = sys.modules[ifeval_offline._MODULE]
+    with restored_attrs(util, "_get_sentence_tokenizer", "nltk"), restored_attrs(langdetect.DetectorFactory, "seed"):
+        yield ifeval_offline.install()
+
+
+@contextlib.contextmanager
+def rng_restored() -> Iterator[None]:
+    """Python's, numpy's and torch's global random states as found after the block (lm-eval seeds them)."""
+    import numpy as np
+    import torch
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
 
 
 def _write_once(path: Path, text: str) -> Path:
@@ -242,32 +322,61 @@ def _already_tied(*args: Any, **kwargs: Any) -> None:
 
 
 def _hflm(model: Any, tok: Any, batch_size: int):
+    """lm-eval's HFLM around ``model``; the model's ``tie_weights`` and lm-eval's log level as found after."""
     from lm_eval.models.huggingface import HFLM
 
-    if getattr(model, "qrecover_manifest", None) is not None:  # HFLM calls tie_weights(), which needs .weight
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.tie_weights = _already_tied
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # the "pretrained is not a str" notice; errors still show
-    return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=str(next(model.parameters()).device))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    with restored_attrs(base, "tie_weights"):
+        if getattr(model, "qrecover_manifest", None) is not None:  # HFLM.__init__ calls tie_weights(), which needs .weight
+            base.tie_weights = _already_tied
+        logger.setLevel(logging.ERROR)  # the "pretrained is not a str" notice; errors still show
+        try:
+            return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size,
+                        device=str(next(model.parameters()).device))
+        finally:
+            logger.setLevel(level)
 
 
-def run_lm_eval(lm: Any, specs: list[str], limit: int | None, chat: bool, include_defaults: bool = False) -> dict[str, Any]:
-    """lm-eval's evaluator on ``specs`` (YAML paths or task names) with fixed seeds; its results dict."""
-    import numpy as np
-    import torch
-    from lm_eval.evaluator import evaluate as lm_evaluate
+def load_tasks(specs: list[str], include_defaults: bool = False) -> dict[str, Any]:
+    """lm-eval's tasks ``specs`` (YAML paths or task names), zero-shot unless they say otherwise, seeded few-shot.
+
+    With ``include_defaults`` (lm-eval's own tasks by name, whose data come from the Hugging Face hub), a
+    dataset that is not in the local cache is a QRecoverError naming the task (its cause chained); every
+    other error of lm-eval propagates as it is.
+    """
     from lm_eval.tasks import TaskManager
 
-    random.seed(0)
-    np.random.seed(SEED)
-    torch.manual_seed(SEED)
-    loaded = TaskManager(include_defaults=include_defaults).load(specs)
+    try:
+        loaded = TaskManager(include_defaults=include_defaults).load(specs)
+    except OFFLINE_DATA_ERRORS as e:
+        if not include_defaults:
+            raise
+        raise QRecoverError(f"lm-eval task(s) {', '.join(specs)}: the dataset is not available offline "
+                            f"({type(e).__name__}: {e}); qrecover runs without network access, so a task whose "
+                            "dataset is not in the local datasets cache cannot run; use gsm8k, ifeval, mmlu, ppl, kl") from e
     for t in loaded["tasks"].values():
         if t.get_config("num_fewshot") is None:
             t.set_config(key="num_fewshot", value=0)
         t.set_fewshot_seed(seed=SEED)
-    return lm_evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True,
-                       apply_chat_template=chat, fewshot_as_multiturn=chat)
+    return loaded
+
+
+def run_lm_eval(lm: Any, specs: list[str], limit: int | None, chat: bool, include_defaults: bool = False) -> dict[str, Any]:
+    """lm-eval's evaluator on ``specs`` (see :func:`load_tasks`) with fixed seeds; its results dict. The global
+    random states are as found afterwards."""
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate as lm_evaluate
+
+    with rng_restored():
+        random.seed(0)
+        np.random.seed(SEED)
+        torch.manual_seed(SEED)
+        loaded = load_tasks(specs, include_defaults)
+        return lm_evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=True,
+                           apply_chat_template=chat, fewshot_as_multiturn=chat)
 
 
 def _stderr(x: Any) -> float | None:
@@ -304,11 +413,10 @@ def generative_tasks(lm: Any, tok: Any, cfg: EvalConfig, names: list[str], show:
                                 f"{lm.max_length} tokens; pass --max-gen-toks below {lm.max_length}")
         shas[n] = DATA[n].sha256
         specs.append(str(task_yaml(base, data_file(n), lengths[n])))
-    if "ifeval" in names:
-        ifeval_offline.install()
     show(f"{' + '.join(names)}: generating (greedy, chat template {'on' if chat_id else 'absent'}, "
          f"batch {cfg.batch_size}, limit {cfg.limit})")
-    res = run_lm_eval(lm, specs, cfg.limit, chat=chat_id is not None)
+    with ifeval_patched() if "ifeval" in names else contextlib.nullcontext():
+        res = run_lm_eval(lm, specs, cfg.limit, chat=chat_id is not None)
     gen = {"chat_template": chat_id, "fewshot_as_multiturn": chat_id is not None, "decoding": "greedy"}
     out: dict[str, Metric] = {}
     if "gsm8k" in names:
@@ -364,12 +472,7 @@ def mmlu_task(lm: Any, cfg: EvalConfig, show: Any, what: str = "mmlu") -> tuple[
 def extra_tasks(lm: Any, cfg: EvalConfig, names: list[str], show: Any) -> dict[str, Metric]:
     """lm-eval tasks by name (need their datasets; offline only what the datasets cache already holds)."""
     show(f"lm-eval tasks {', '.join(names)} (limit {cfg.limit})")
-    try:
-        res = run_lm_eval(lm, names, cfg.limit, chat=False, include_defaults=True)
-    except Exception as e:  # noqa: BLE001 - a missing dataset surfaces as many exception types; name the task
-        raise QRecoverError(f"lm-eval task(s) {', '.join(names)} failed to run offline ({type(e).__name__}: {e}); "
-                            "qrecover runs without network access, so a task whose dataset is not in the local "
-                            "datasets cache cannot run; use gsm8k, ifeval, mmlu, ppl, kl") from None
+    res = run_lm_eval(lm, names, cfg.limit, chat=False, include_defaults=True)
     out: dict[str, Metric] = {}
     for task, r in res["results"].items():
         hib = res.get("higher_is_better", {}).get(task, {})
@@ -471,10 +574,10 @@ def check_tasks(cfg: EvalConfig) -> tuple[list[str], list[str]]:
     if JUDGE_TASK in cfg.tasks and not cfg.judge_url:
         raise QRecoverError("--tasks alpacaeval needs a judge: pass --judge-url URL (and --judge-model NAME)")
     if other:
-        offline()
         from lm_eval.tasks import TaskManager
 
-        known = set(TaskManager(include_defaults=True).all_tasks)
+        with offline():
+            known = set(TaskManager(include_defaults=True).all_tasks)
         if unknown := [t for t in other if t not in known]:
             raise QRecoverError(f"--tasks: {', '.join(map(repr, unknown))} is neither a qrecover task "
                                 f"({', '.join(BUILTIN_TASKS)}, {JUDGE_TASK}) nor an lm-eval task name")
@@ -485,7 +588,13 @@ def check_tasks(cfg: EvalConfig) -> tuple[list[str], list[str]]:
 
 
 def evaluate(config: EvalConfig | None = None, show_progress: bool = True, **overrides: Any) -> Results:
-    """Evaluate one model (see the module docstring); return its :class:`Results` (not saved)."""
+    """Evaluate one model (see the module docstring); return its :class:`Results` (not saved).
+
+    Leaves the process as found, also when it raises: the offline environment and library flags
+    (:func:`offline`), lm-eval's IFEval globals (:func:`ifeval_patched`), the model's ``tie_weights`` and
+    lm-eval's log level (:func:`_hflm`) and the global random states (:func:`rng_restored`; model loading and
+    lm-eval's seeding change them) are restored.
+    """
     cfg = config or EvalConfig(**overrides)
     if cfg.limit is not None and cfg.limit <= 0:
         raise QRecoverError(f"--limit {cfg.limit} must be a positive number of items (or omitted for all)")
@@ -495,14 +604,17 @@ def evaluate(config: EvalConfig | None = None, show_progress: bool = True, **ove
         raise QRecoverError(f"--windows {cfg.windows} and --seq-len {cfg.seq_len} must be positive (seq-len at least 2)")
     from rich.console import Console
 
-    console = Console(stderr=True)
-    t_start = time.time()
+    with offline(), rng_restored():
+        return _evaluate(cfg, show_progress, Console(stderr=True), time.time())
+
+
+def _evaluate(cfg: EvalConfig, show_progress: bool, console: Any, t_start: float) -> Results:
+    """:func:`evaluate` inside :func:`offline`."""
 
     def show(msg: str) -> None:
         if show_progress:
             console.print(f"[dim]{time.time() - t_start:6.0f}s[/] {msg}", highlight=False, markup=True)
 
-    offline()
     builtin, other = check_tasks(cfg)
     judge = _judge() if cfg.judge_url else None
     for name in builtin:  # a missing or changed data file fails before minutes of work
