@@ -7,7 +7,7 @@ lower-is-better one (b/v), stderr propagated to first order and null when a stde
 settings and a metric absent from the baseline are errors naming the metric; rows sorted by bpw
 descending, quantized before recovered, with bpw with and without the adapter; report.md holds the
 table, report.json round-trips, report.html parses and holds the table and (with matplotlib) an inline
-PNG; the gate's exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection,
+SVG with one titled panel per metric (the browser's view of it: tests/test_report_browser.py); the gate's exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection,
 missing cells, and ``--noise-aware`` passing a cell that plain mode fails. Skipped metrics (AlpacaEval without a
 judge): ``Results.skipped`` round-trips and is validated, files without it still load and save unchanged,
 the report's column reads "not run: no judge configured" in md/json/html (and "baseline not run: ..." when
@@ -219,6 +219,30 @@ class _Page(HTMLParser):
             self._buf += data
 
 
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_panels(page: str) -> dict[str, list[str]]:
+    """``{metric: texts of its panel}`` of the inline SVG of report.html (parsed as XML: it must be well formed)."""
+    import xml.etree.ElementTree as ET
+
+    from qrecover.reports.render import panel_id
+
+    assert page.count("<svg") == 1 and "<img" not in page
+    root = ET.fromstring(page[page.index("<svg"):page.index("</svg>") + len("</svg>")])
+    groups = {g.get("id"): g for g in root.iter(f"{SVG}g") if (g.get("id") or "").startswith("panel-")}
+    assert root.find(f".//{SVG}g[@id='legend']") is not None
+    out = {}
+    for gid, g in groups.items():
+        texts = ["".join(t.itertext()).strip() for t in g.iter(f"{SVG}text")]
+        title = next(t for t in texts if not t.endswith("%") and not t.replace(".", "").isdigit() and "bpw" not in t
+                     and t != "% of unquantized")
+        name = title.split()[0].rstrip(":")
+        assert panel_id(name) == gid
+        out[name] = [title] + texts
+    return out
+
+
 @pytest.fixture
 def report_dir(tmp_path):
     rows = normalise([Results.from_dict(d) for d in (Q37, R37, Q30, R30)], Results.from_dict(BASE, source="base.json"))
@@ -255,7 +279,10 @@ def test_report_html(report_dir):
     except ImportError:
         assert not page.imgs and "matplotlib is not installed" in (out / "report.html").read_text()
         return
-    assert len(page.imgs) == 1 and page.imgs[0].startswith("data:image/png;base64,iVBOR")
+    panels = svg_panels((out / "report.html").read_text())
+    assert list(panels) == ["ifeval", "gsm8k", "ppl"]  # one panel per metric, titled with its name
+    for name, texts in panels.items():
+        assert texts[0].startswith(name), texts
 
 
 def test_report_overwrite_is_refused(report_dir):
@@ -532,3 +559,109 @@ def test_agreement_metrics_without_a_recorded_scale_get_theirs():
     assert row.cells["kl"].ratio == pytest.approx(math.exp(-0.5))
     assert row.cells["mmlu_flips"].ratio == pytest.approx(0.75)
     assert row.cells["ppl"].ratio == pytest.approx(0.8)
+
+
+# --- uninformative metrics: the unquantized model within noise of chance ------------------------------------
+
+HIB |= {"mmlu": True}
+FEWSHOT |= {"mmlu": {"num_fewshot": 0, "limit": 20}}
+NOISY_BASE = results("original", {"ifeval": (0.80, 0.02), "mmlu": (0.25, 0.0993), "gsm8k": (0.0, 0.0), "ppl": (10.0, None)})
+NOISY_Q = results("quantized", {"ifeval": (0.72, 0.03), "mmlu": (0.35, 0.109), "gsm8k": (0.05, 0.05), "ppl": (12.5, None)}, bpw=3.7)
+NOISY_R = results("recovered", {"ifeval": (0.78, 0.02), "mmlu": (0.20, 0.09), "gsm8k": (0.0, 0.0), "ppl": (10.5, None)},
+                  bpw=3.7, rank=16, cost=0.25)
+
+
+def test_uninformative_rule():
+    from qrecover.reports.table import NOISE_STDERRS, uninformative
+
+    def verdict(name, value, se):
+        base = results("original", {name: (value, se)})
+        return name in uninformative(Results.from_dict(base))
+
+    assert NOISE_STDERRS == 2.0
+    assert verdict("mmlu", 0.25, 0.0993) and verdict("mmlu", 0.40, 0.08)  # 0.15 <= 2 x 0.08
+    assert not verdict("mmlu", 0.42, 0.08) and not verdict("mmlu", 0.45, 0.05)  # 0.17 > 0.16; 4 stderrs
+    assert verdict("mmlu", 0.10, 0.08) and not verdict("mmlu", 0.25, None)  # below chance is noise too; no stderr: unknown
+    assert verdict("gsm8k", 0.0, 0.0) and verdict("gsm8k", 0.05, 0.05) and not verdict("gsm8k", 0.30, 0.02)
+    assert not verdict("ifeval", 0.0, 0.0) and not verdict("ppl", 10.0, None)  # no known chance level
+    why = uninformative(Results.from_dict(NOISY_BASE))
+    assert list(why) == ["mmlu", "gsm8k"] and "0.25 ± 0.0993" in why["mmlu"] and "chance (0.25)" in why["mmlu"]
+
+
+def test_uninformative_marked_in_every_table(tmp_path):
+    base = Results.from_dict(NOISY_BASE, source="base.json")
+    rows = normalise([Results.from_dict(NOISY_Q), Results.from_dict(NOISY_R)], base)
+    assert all(set(r.uninformative) == {"mmlu", "gsm8k"} for r in rows)
+    assert "mmlu" in rows[0].cells and "gsm8k" in rows[0].skipped  # still normalised where a ratio exists
+    out = tmp_path / "rep"
+    rep = write_report(rows, base, out)
+    md = (out / "report.md").read_text()
+    assert "| bpw | bpw with adapter | model | ifeval | mmlu † | ppl | gsm8k † |" in md
+    assert "| 3.70 | 3.70 | quantized | 90.0% (0.72 ± 0.03) | 140.0% (0.35 ± 0.109) † | 80.0% (12.5) | no ratio: " in md
+    assert "(value 0.05, unquantized 0) † |" in md
+    assert "† Uninformative: mmlu: the unquantized model scores 0.25 ± 0.0993, within 2 standard errors of chance" in md
+    assert "|b - chance| <= 2 x its standard error" in md  # the rule, stated
+    back = json.loads((out / "report.json").read_text())
+    assert back == json.loads(json.dumps(rep)) and list(back["uninformative"]) == ["mmlu", "gsm8k"]
+    assert "|b - chance|" in back["uninformative_rule"]
+    assert back["rows"][0]["uninformative"] == back["uninformative"]
+    page_text = (out / "report.html").read_text()
+    page = _Page()
+    page.feed(page_text)
+    assert "mmlu †" in page.cells and "140.0% (0.35 ± 0.109) †" in page.cells and "90.0% (0.72 ± 0.03)" in page.cells
+    assert page_text.count('<td class="uninformative"') == 4 and "|b - chance| &lt;= 2" in page_text
+    # the plot: informative panels first, the uninformative one last and grey, gsm8k (no ratio anywhere) not drawn
+    panels = svg_panels(page_text)
+    assert list(panels) == ["ifeval", "ppl", "mmlu"]
+    assert "uninformative" in panels["mmlu"][0] and "uninformative" not in panels["ifeval"][0]
+    assert "Not plotted (no ratio in any row): gsm8k" in page_text
+
+
+def test_report_html_is_deterministic(tmp_path):
+    """Same rows, same bytes (the pipeline copies only report files whose bytes changed)."""
+    base = Results.from_dict(NOISY_BASE)
+    rows = normalise([Results.from_dict(NOISY_Q), Results.from_dict(NOISY_R)], base)
+    write_report(rows, base, tmp_path / "a")
+    write_report(rows, base, tmp_path / "b")
+    assert (tmp_path / "a" / "report.html").read_bytes() == (tmp_path / "b" / "report.html").read_bytes()
+
+
+NOISY_REPORT = {
+    "metrics": ["ifeval", "mmlu", "gsm8k"],
+    "rows": [{"label": "3.70 bpw recovered (rank 16)", "kind": "recovered",
+              "cells": {"ifeval": cell(0.98, 0.01), "mmlu": cell(0.80, 0.4)},
+              "skipped": {"gsm8k": "no ratio: the unquantized model scores 0"},
+              "uninformative": {"mmlu": "uninformative: at chance", "gsm8k": "uninformative: at chance"}}],
+}
+
+
+def test_gate_skips_uninformative_unless_asked():
+    r = gate(NOISY_REPORT, 0.97)
+    assert r.passed and [(c.metric, c.passed, c.skipped, c.uninformative) for c in r.cells] == [
+        ("ifeval", True, False, False), ("mmlu", False, True, True), ("gsm8k", False, True, True)]
+    assert r.cells[1].note == "uninformative: at chance" and r.cells[1].ratio == pytest.approx(0.80)
+    r = gate(NOISY_REPORT, 0.97, include_uninformative=True)  # mmlu 80% fails; gsm8k has no ratio: skipped, not run
+    assert not r.passed and [c.metric for c in r.failed] == ["mmlu"] and [c.metric for c in r.skipped] == ["gsm8k"]
+    assert r.include_uninformative and not any(c.uninformative for c in r.cells)
+    r = gate(NOISY_REPORT, 0.97, {"mmlu": 0.75})  # naming it asks for it
+    assert r.passed and [(c.metric, c.skipped) for c in r.cells][:2] == [("ifeval", False), ("mmlu", False)]
+    only = {"metrics": ["mmlu"], "rows": [dict(NOISY_REPORT["rows"][0], cells={"mmlu": cell(0.8, 0.4)})]}
+    with pytest.raises(QRecoverError, match="--include-uninformative"):
+        gate(only, 0.97)
+    with pytest.raises(QRecoverError, match="'uninformative' must be an object"):
+        gate(dict(NOISY_REPORT, rows=[dict(NOISY_REPORT["rows"][0], uninformative=["mmlu"])]), 0.97)
+    assert gate(REPORT, 0.97).passed  # a report written before the mark gates as before
+
+
+def test_cli_gate_include_uninformative(tmp_path, capsys):
+    files = [write(tmp_path, f"{n}.json", d) for n, d in (("q", NOISY_Q), ("r", NOISY_R))]
+    out = tmp_path / "reports"
+    code, _, err = run(["report", *files, "--baseline", write(tmp_path, "base.json", NOISY_BASE), "--out", out], capsys)
+    assert code == 0 and "Uninformative: mmlu" in err, err
+    # recovered: ifeval 97.5%, ppl 95.2%; mmlu 80% (uninformative), gsm8k no ratio (uninformative)
+    code, stdout, err = run(["gate", out / "report.json", "--min-ratio", "0.95", "--json"], capsys)
+    assert code == 0, err
+    assert "2/2 cells passed, 2 skipped (uninformative; --include-uninformative checks them)" in err
+    assert sorted(c["metric"] for c in json.loads(stdout)["cells"] if c["uninformative"]) == ["gsm8k", "mmlu"]
+    code, _, err = run(["gate", out / "report.json", "--min-ratio", "0.95", "--include-uninformative"], capsys)
+    assert code == 1 and "2/3 cells passed, 1 skipped (not run)" in err

@@ -19,6 +19,11 @@ EXAMPLES = """Examples:
 
   qrecover gate reports/report.json --min-ratio 0.9 --rows quantized --json | jq .passed
 
+  qrecover gate reports/report.json --min-ratio 0.97 --include-uninformative
+
+Metrics the report marks uninformative (the unquantized model scores within noise of chance, e.g. MMLU
+at 25%) are skipped unless --include-uninformative is given or --metric names them.
+
 Exit codes: 0 every checked cell passed, 1 some cell failed, 2 unusable input.
 """
 
@@ -41,6 +46,7 @@ def gate(
     metric: list[str] = typer.Option([], "--metric", help="Per-metric threshold NAME=FRACTION, overriding --min-ratio (repeatable)."),
     rows: str = typer.Option("auto", "--rows", help="Rows to check: auto (recovered rows, or all if none), all, quantized, recovered."),
     noise_aware: bool = typer.Option(False, "--noise-aware", help="Fail a cell only when ratio + one standard error is below its threshold."),
+    include_uninformative: bool = typer.Option(False, "--include-uninformative", help="Also check metrics the report marks uninformative (unquantized score within noise of chance); skipped by default."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Gate a release on a report: every checked cell's ratio to the unquantized model must reach its threshold."""
@@ -55,7 +61,8 @@ def gate(
         per_metric[name] = value
     data = read_json(report, "report", " (write it with `qrecover report`)")
     try:
-        result = run_gate(data, min_ratio, per_metric, rows=rows, noise_aware=noise_aware)
+        result = run_gate(data, min_ratio, per_metric, rows=rows, noise_aware=noise_aware,
+                          include_uninformative=include_uninformative)
     except QRecoverError as e:
         raise QRecoverError(f"{report}: {e}") from None
 
@@ -63,14 +70,17 @@ def gate(
     for h in ("row", "metric", "ratio", "± stderr", "threshold", "result"):
         t.add_column(h, justify="left" if h in ("row", "metric", "result") else "right")
     for c in result.cells:
-        verdict = "[yellow]skipped[/]" if c.skipped else "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
+        verdict = "[yellow]skipped, uninformative[/]" if c.uninformative else "[yellow]skipped[/]" if c.skipped else "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
         t.add_row(escape(c.row), escape(c.metric), "—" if c.ratio is None else f"{100 * c.ratio:.1f}%",
                   "—" if c.ratio_stderr is None else f"{100 * c.ratio_stderr:.1f}", f"{100 * c.threshold:.1f}%",
                   verdict + (f" ({escape(c.note)})" if c.note else ""))
     console.print(t)
     n_fail, n_skip = len(result.failed), len(result.skipped)
+    n_noise = sum(c.uninformative for c in result.cells)
     checked = len(result.cells) - n_skip
-    console.print(f"{checked - n_fail}/{checked} cells passed" + (f", {n_skip} skipped (not run)" if n_skip else "") + ": " +
+    skips = [f"{n_skip - n_noise} skipped (not run)"] * (n_skip > n_noise) + [
+        f"{n_noise} skipped (uninformative; --include-uninformative checks them)"] * (n_noise > 0)
+    console.print(f"{checked - n_fail}/{checked} cells passed" + "".join(f", {s}" for s in skips) + ": " +
                   ("[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"))
     if json_out:
         emit_json(result.to_dict())

@@ -26,7 +26,7 @@ def report(
     json_out: bool = JsonOpt,
 ) -> None:
     """Table-10 style report: per bpw, quantized and recovered scores as a percentage of the unquantized model."""
-    from ..reports.render import cell_text, write_report
+    from ..reports.render import cell_text, uninformative_metrics, uninformative_note, write_report
     from ..reports.results import load_results
     from ..reports.table import RATIO_NOTE, metric_names, normalise
 
@@ -45,4 +45,6 @@ def report(
         t.add_row(escape(r.label), fmt(r.bpw), fmt(r.bpw_with_adapter), *(escape(cell_text(r, n)) for n in names))
     console.print(t)
     console.print(escape(RATIO_NOTE), highlight=False)
+    if noisy := uninformative_metrics(rows):
+        console.print(escape(uninformative_note(noisy)), highlight=False)
     console.print(escape(f"wrote {out}/report.md, report.json, report.html"), highlight=False)

@@ -8,6 +8,11 @@ A metric a row skipped (the report row's ``skipped``, e.g. AlpacaEval without a 
 nor a failure: its cell is listed with ``skipped`` true, ``passed`` false and the reason as its note, and
 the overall verdict is decided by the other cells. Naming it in ``per_metric`` asks for a score, so
 there a skipped cell fails.
+
+A metric the report marks uninformative (the row's ``uninformative``: the unquantized model scores within
+noise of chance, see :func:`qrecover.reports.table.uninformative`) is skipped the same way, its reason as
+the note, unless ``include_uninformative`` is set or ``per_metric`` names it: a ratio of noise to noise
+would pass or fail a release by chance.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class GateCell:
     threshold: float
     passed: bool
     note: str = ""  # "", "within 1 stderr", "not measured", or why a skipped metric was not run
-    skipped: bool = False  # not run (see the module doc): counted neither as a pass nor as a failure
+    skipped: bool = False  # not run, or uninformative (see the module doc): counted neither as a pass nor as a failure
+    uninformative: bool = False  # the unquantized model scores within noise of chance on this metric
 
 
 @dataclass
@@ -42,6 +48,7 @@ class GateResult:
     rows: str  # which rows were checked: "recovered", "all", "quantized"
     noise_aware: bool
     cells: list[GateCell] = field(default_factory=list)
+    include_uninformative: bool = False
 
     @property
     def failed(self) -> list[GateCell]:
@@ -71,8 +78,9 @@ def _rows(report: Any) -> tuple[list[dict], list[str]]:
     for i, r in enumerate(rows):
         if not isinstance(r, Mapping) or not isinstance(r.get("cells"), Mapping) or r.get("kind") not in ("original", "quantized", "recovered"):
             raise QRecoverError(f"report row {i} is malformed: expected 'label', 'kind' and 'cells'")
-        if not isinstance(r.get("skipped", {}), Mapping):
-            raise QRecoverError(f"report row {i} ({r.get('label')}) is malformed: 'skipped' must be an object")
+        for key in ("skipped", "uninformative"):
+            if not isinstance(r.get(key, {}), Mapping):
+                raise QRecoverError(f"report row {i} ({r.get('label')}) is malformed: '{key}' must be an object")
         for name, c in r["cells"].items():
             ok = isinstance(c, Mapping) and isinstance(c.get("ratio"), (int, float)) and not isinstance(c.get("ratio"), bool)
             se = c.get("ratio_stderr") if isinstance(c, Mapping) else None
@@ -82,7 +90,7 @@ def _rows(report: Any) -> tuple[list[dict], list[str]]:
 
 
 def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, float] | None = None,
-         rows: str = "auto", noise_aware: bool = False) -> GateResult:
+         rows: str = "auto", noise_aware: bool = False, include_uninformative: bool = False) -> GateResult:
     """Check the report's cells against ``min_ratio`` (or ``per_metric[name]`` where given).
 
     ``rows``: 'auto' = the recovered rows, or every row when the report has none; 'all'; 'quantized';
@@ -120,6 +128,12 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
             t = per_metric.get(name, min_ratio)
             label = str(r.get("label", r.get("model", "?")))
             c = r["cells"].get(name)
+            noise = r.get("uninformative", {}).get(name)
+            if noise is not None and not include_uninformative and name not in per_metric:
+                cells.append(GateCell(label, r["kind"], name, None if c is None else float(c["ratio"]),
+                                      None if c is None else c.get("ratio_stderr"), t, False, str(noise),
+                                      skipped=True, uninformative=True))
+                continue
             why = r.get("skipped", {}).get(name)
             if c is None and why is not None:
                 if name in per_metric:  # a threshold was asked for explicitly: a missing score fails it
@@ -138,5 +152,8 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
             else:
                 cells.append(GateCell(label, r["kind"], name, ratio, se, t, False))
     if all(c.skipped for c in cells):
-        raise QRecoverError(f"every checked cell ({len(cells)}) was skipped (not run); there is nothing to gate")
-    return GateResult(passed=all(c.passed or c.skipped for c in cells), rows=chosen, noise_aware=noise_aware, cells=cells)
+        hint = ("; --include-uninformative checks the uninformative ones" if any(c.uninformative for c in cells) else "")
+        raise QRecoverError(f"every checked cell ({len(cells)}) was skipped (not run or uninformative); there is "
+                            f"nothing to gate{hint}")
+    return GateResult(passed=all(c.passed or c.skipped for c in cells), rows=chosen, noise_aware=noise_aware, cells=cells,
+                      include_uninformative=include_uninformative)

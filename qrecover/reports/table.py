@@ -27,6 +27,13 @@ A metric the run skipped (``Results.skipped``, e.g. AlpacaEval without a judge) 
 measured but the baseline skipped cannot be normalised and shows ``"baseline not run: <reason>"``; one whose
 ratio does not exist (a higher-is-better baseline of 0, a lower-is-better value of 0) shows ``"no ratio: ..."``
 with both values. The gate counts such cells as neither pass nor fail.
+
+A metric is **uninformative** (:func:`uninformative`, rule :data:`UNINFORMATIVE_RULE`) when the
+unquantized model's own score is within noise of the task's chance level: ``|b - chance| <= 2 s_b``,
+``s_b`` being the baseline's standard error and chance the score of guessing (:data:`CHANCE`: 0.25 for
+4-choice MMLU, 0 for GSM8K's exact match). MMLU at 25% on a 135M model, or GSM8K at 0, say nothing about
+what quantization cost: ratios of noise. Every row marks such a metric in ``uninformative[name]`` (the
+reason); the table flags its cells and ``qrecover gate`` skips them unless asked for.
 """
 
 from __future__ import annotations
@@ -46,6 +53,37 @@ RATIO_NOTE = ("Each cell is a percentage of the unquantized model's score: value
               "standard error (first-order propagation) is in report.json as ratio_stderr.")
 
 _KIND_ORDER = {"original": 0, "quantized": 1, "recovered": 2}
+
+# the score of guessing, per metric; a metric not listed has no known chance level and is never uninformative
+CHANCE = {
+    "mmlu": 0.25,  # four answer choices, one right
+    "gsm8k": 0.0,  # exact match of a free-form number (flexible-extract)
+    "gsm8k_strict": 0.0,  # the same, strict-match
+}
+NOISE_STDERRS = 2.0  # "within noise": within this many of the baseline's standard errors (~95% for a normal)
+UNINFORMATIVE_RULE = (f"A metric is uninformative when the unquantized model's score b is within noise of the task's chance "
+                      f"level: |b - chance| <= {NOISE_STDERRS:g} x its standard error (chance: "
+                      + ", ".join(f"{n} {c:g}" for n, c in CHANCE.items())
+                      + "; a metric without a known chance level or a standard error is never marked). Its percentages "
+                      "compare noise with noise, so they are flagged and `qrecover gate` skips them unless asked "
+                      "(--include-uninformative, or --metric NAME=...).")
+
+
+def uninformative(baseline: Results) -> dict[str, str]:
+    """``{metric: reason}`` for the baseline's metrics whose score is within noise of chance (see the module doc).
+
+    ``mmlu`` 0.25 ± 0.099 -> uninformative (0 stderrs from chance 0.25); ``gsm8k`` 0 ± 0 -> uninformative;
+    ``mmlu`` 0.45 ± 0.05 -> not (4 stderrs); ``ppl`` -> never (no chance level).
+    """
+    out = {}
+    for name, m in baseline.metrics.items():
+        chance = CHANCE.get(name)
+        if chance is None or m.stderr is None or not math.isfinite(m.stderr):
+            continue
+        if abs(m.value - chance) <= NOISE_STDERRS * m.stderr:
+            out[name] = (f"uninformative: the unquantized model scores {m.value:.3g} ± {m.stderr:.3g}, within "
+                         f"{NOISE_STDERRS:g} standard errors of chance ({chance:g})")
+    return out
 
 
 @dataclass
@@ -80,6 +118,7 @@ class Row:
     bpw_with_adapter: float | None  # bpw + adapter_bpw_cost (= bpw without an adapter)
     cells: dict[str, Cell]
     skipped: dict[str, str] = field(default_factory=dict)  # metric -> what its cell says instead of a number
+    uninformative: dict[str, str] = field(default_factory=dict)  # metric -> why its baseline is within noise of chance
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,7 +179,7 @@ def row_label(run: Results) -> str:
     return f"{bpw} {r.kind}"
 
 
-def _row(run: Results, baseline: Results) -> Row:
+def _row(run: Results, baseline: Results, noise: dict[str, str]) -> Row:
     cells, skipped = {}, {}
     for name, m in run.metrics.items():
         if name in baseline.skipped:
@@ -166,7 +205,8 @@ def _row(run: Results, baseline: Results) -> Row:
                bpw_linear=None if r.measured_bpw is None else r.measured_bpw.linear,
                adapter_rank=None if r.adapter is None else r.adapter.rank, adapter_bpw_cost=cost,
                bpw_with_adapter=None if bpw is None else bpw + (cost or 0.0), cells=cells,
-               skipped=skipped | {name: f"not run: {why}" for name, why in run.skipped.items()})
+               skipped=skipped | {name: f"not run: {why}" for name, why in run.skipped.items()},
+               uninformative={name: why for name, why in noise.items() if name in run.metrics})
 
 
 def sort_key(row: Row) -> tuple:
@@ -180,7 +220,8 @@ def normalise(runs: Results | Sequence[Results], baseline: Results) -> list[Row]
     Each cell's ratio is ``v / b`` for higher-is-better metrics and ``b / v`` for lower-is-better ones
     (perplexity, KL), so a ratio below 1 (100%) always means worse than the baseline; its stderr is
     ``ratio * sqrt((s_v/v)^2 + (s_b/b)^2)`` (None if either stderr is missing). Rows are sorted by
-    measured bpw descending, quantized before recovered at equal bpw.
+    measured bpw descending, quantized before recovered at equal bpw. Metrics whose baseline is within
+    noise of chance are named in each row's ``uninformative`` (:func:`uninformative`).
 
     Raises QRecoverError when a run's metric is absent from the baseline, when its settings or its
     direction differ from the baseline's, or when the baseline is not an unquantized model.
@@ -192,7 +233,8 @@ def normalise(runs: Results | Sequence[Results], baseline: Results) -> list[Row]
                             "unquantized model, pass its results file (kind 'original') as --baseline")
     if not runs:
         raise QRecoverError("no results to report; pass at least one results file")
-    return sorted((_row(r, baseline) for r in runs), key=sort_key)
+    noise = uninformative(baseline)
+    return sorted((_row(r, baseline, noise) for r in runs), key=sort_key)
 
 
 def metric_names(rows: Sequence[Row]) -> list[str]:
