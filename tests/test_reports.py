@@ -665,3 +665,26 @@ def test_cli_gate_include_uninformative(tmp_path, capsys):
     assert sorted(c["metric"] for c in json.loads(stdout)["cells"] if c["uninformative"]) == ["gsm8k", "mmlu"]
     code, _, err = run(["gate", out / "report.json", "--min-ratio", "0.95", "--include-uninformative"], capsys)
     assert code == 1 and "2/3 cells passed, 1 skipped (not run)" in err
+
+
+def test_reference_report_is_current(tmp_path):
+    """reports/table10 is what this renderer makes of its committed results (as the pipeline's report stage
+    does: sources named ``results/<stage>.json``). The HTML's SVG depends on the matplotlib version, so
+    report.md and report.json are compared byte for byte and the HTML by its table and panels."""
+    ref = Path(__file__).resolve().parents[1] / "reports" / "table10"
+    runs = {}
+    for p in sorted((ref / "results").glob("eval-*.json")):
+        runs[p.stem] = load_results(p)
+        runs[p.stem].source = f"results/{p.name}"
+    base = runs.pop("eval-original")
+    write_report(normalise(list(runs.values()), base), base, tmp_path / "rep")
+    for name in ("report.md", "report.json"):
+        assert (tmp_path / "rep" / name).read_text() == (ref / name).read_text(), f"regenerate {ref / name}"
+    new, old = _Page(), _Page()
+    new.feed((tmp_path / "rep" / "report.html").read_text())
+    old.feed((ref / "report.html").read_text())
+    assert new.cells == old.cells
+    panels = svg_panels((ref / "report.html").read_text())
+    assert list(panels) == ["ifeval", "ifeval_prompt_strict", "ifeval_inst_loose", "ifeval_prompt_loose", "ppl", "kl",
+                            "mmlu_flips", "mmlu"]
+    assert json.loads((ref / "report.json").read_text())["uninformative"].keys() == {"mmlu", "gsm8k", "gsm8k_strict"}

@@ -177,7 +177,7 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
     noisy = {n: why for r in rows for n, why in r.uninformative.items()}
     bpws = sorted({r.bpw for r in rows if r.bpw is not None and r.kind != "original"})
     span = (bpws[-1] - bpws[0]) or 0.5
-    dodge = 0.025 * span  # series side by side at one bpw, so their error bars do not hide each other
+    dodge = 0.04 * span  # series side by side at one bpw, so their error bars do not hide each other
     ncols = min(PANEL_COLUMNS, len(names))
     nrows = math.ceil(len(names) / ncols)
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "qrecover-report", "font.size": 8}):
