@@ -281,9 +281,9 @@ class GlobalState:
     an earlier test's leak."""
 
     def __init__(self, monkeypatch):
+        import datasets.config as dc
         import huggingface_hub.constants as hc
         import langdetect
-        import datasets.config as dc
 
         from qrecover.reports import ifeval_offline
 
