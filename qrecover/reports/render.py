@@ -138,6 +138,7 @@ PANEL_COLUMNS = 4  # panels per row of the figure
 PANEL_SIZE = (3.1, 2.45)  # inches per panel (at 96 px/inch: ~300 x 235 px)
 QUANTIZED_STYLE = {"color": "#1f77b4", "linestyle": "--", "marker": "o"}
 RECOVERED_COLORS = ("#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e")  # one per adapter rank
+PANEL_MEASURE = {"nats": "as exp(-KL)", "fraction": "as 1 - rate"}  # what 100% means where the baseline is 0
 
 
 def panel_id(name: str) -> str:
@@ -188,7 +189,7 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
             ax = axes[k // ncols][k % ncols]
             ax.set_gid(panel_id(name))
             handles["unquantized (100%)"] = ax.axhline(100.0, color="#555555", linewidth=1.2, linestyle=":", zorder=1)
-            base = next(r.cells[name].baseline for r in rows if name in r.cells)
+            first = next(r.cells[name] for r in rows if name in r.cells)
             for i, (kind, rank) in enumerate(series):
                 pts = sorted((r.bpw, r.cells[name]) for r in rows
                              if (r.kind, r.adapter_rank or 0) == (kind, rank) and r.bpw is not None and name in r.cells)
@@ -202,7 +203,7 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
                 handles[label] = ax.errorbar([x + offset for x, _ in pts], [c.percent for _, c in pts],
                                              yerr=None if all(math.isnan(e) for e in err) else err,
                                              capsize=2.5, markersize=5, linewidth=1.5, elinewidth=1, zorder=3, **style)
-            title = f"{name}  (unquantized {_num(base)})"
+            title = f"{name}  ({PANEL_MEASURE.get(first.scale) or f'unquantized {_num(first.baseline)}'})"
             if name in noisy:
                 ax.set_facecolor("#eeeeee")
                 ax.set_title(f"{name}: uninformative\n(unquantized at chance)", fontsize=9, color="#777777")

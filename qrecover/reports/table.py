@@ -97,6 +97,7 @@ class Cell:
     ratio: float
     ratio_stderr: float | None
     higher_is_better: bool
+    scale: str = "ratio"  # the metric's scale (Metric.scale): how ``ratio`` was formed (see the module doc)
 
     @property
     def percent(self) -> float:
@@ -197,7 +198,7 @@ def _row(run: Results, baseline: Results, noise: dict[str, str]) -> Row:
             continue
         ratio, ratio_se = ratio_of(m, base, name)
         cells[name] = Cell(value=m.value, stderr=m.stderr, baseline=base.value, baseline_stderr=base.stderr,
-                           ratio=ratio, ratio_stderr=ratio_se, higher_is_better=m.higher_is_better)
+                           ratio=ratio, ratio_stderr=ratio_se, higher_is_better=m.higher_is_better, scale=m.scale)
     r = run.run
     bpw = None if r.measured_bpw is None else r.measured_bpw.model
     cost = None if r.adapter is None else r.adapter.bpw_cost
