@@ -688,3 +688,19 @@ def test_reference_report_is_current(tmp_path):
     assert list(panels) == ["ifeval", "ifeval_prompt_strict", "ifeval_inst_loose", "ifeval_prompt_loose", "ppl", "kl",
                             "mmlu_flips", "mmlu"]
     assert json.loads((ref / "report.json").read_text())["uninformative"].keys() == {"mmlu", "gsm8k", "gsm8k_strict"}
+
+
+def test_plot_series_per_adapter_rank(tmp_path):
+    """Several adapter ranks: one recovered series each, in the one legend; a single bpw still draws."""
+    import xml.etree.ElementTree as ET
+
+    pytest.importorskip("matplotlib")
+    from qrecover.reports.render import plot_svg
+
+    r8 = results("recovered", {"ifeval": (0.76, 0.02), "gsm8k": (0.47, 0.01), "ppl": (11.0, 0.5)}, bpw=3.7, rank=8, cost=0.12)
+    rows = normalise([Results.from_dict(d) for d in (Q37, R37, r8)], Results.from_dict(BASE))
+    root = ET.fromstring(plot_svg(rows))
+    legend = root.find(f".//{SVG}g[@id='legend']")
+    texts = ["".join(t.itertext()).strip() for t in legend.iter(f"{SVG}text")]
+    assert texts == ["quantized", "recovered (rank 8)", "recovered (rank 16)", "unquantized (100%)"]
+    assert len([g for g in root.iter(f"{SVG}g") if (g.get("id") or "").startswith("panel-")]) == 3
