@@ -40,7 +40,6 @@ def task(tmp_path_factory):
     d = tmp_path_factory.mktemp("gsm8k")
     data = d / "test.jsonl"
     data.write_text(json.dumps({"question": "How many?", "answer": GOLD_ANSWER.format(42)}) + "\n")
-    ev.offline()
     cache = d / "cache"
     orig = ev.cache_dir
     ev.cache_dir = lambda: cache
@@ -48,7 +47,8 @@ def task(tmp_path_factory):
         yaml_path = ev.task_yaml("gsm8k_cot.yaml", data, 256)
     finally:
         ev.cache_dir = orig
-    loaded = TaskManager(include_defaults=False).load([str(yaml_path)])
+    with ev.offline():
+        loaded = TaskManager(include_defaults=False).load([str(yaml_path)])
     return loaded["tasks"]["qrecover_gsm8k_cot"]
 
 
