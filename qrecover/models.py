@@ -206,7 +206,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder layers: the ModuleList whose length is ``num_hidden_layers``."""
     config = getattr(model, "config", None)
     n = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None), "num_hidden_layers", None)
-    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    # the text decoder first: a multimodal model (Gemma-3) may hold a vision encoder with as many layers
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    roots = [decoder, model] if isinstance(decoder, nn.Module) else [model]
+    candidates = [m for r in roots for m in r.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if not candidates:
         raise QRecoverError(f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} layers")
     return candidates[0]

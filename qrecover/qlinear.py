@@ -127,11 +127,26 @@ class QuantEmbedding(_Packed):
         return new
 
 
+    def __reduce_ex__(self, protocol):
+        base = getattr(type(self), "_replaced_class", None)
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        # a run-time class cannot be pickled by name: rebuild it from the class it replaced (importable)
+        return _new_packed_embedding, (base,), self.__getstate__()
+
+
 @functools.cache
 def _packed_embedding_class(base: type) -> type:
     """``Quant<base>``: a :class:`QuantEmbedding` that is also a ``base`` and runs ``base.forward``."""
     return type(f"Quant{base.__name__}", (QuantEmbedding, base),
-                {"forward": base.forward, "__module__": __name__, "__qualname__": f"Quant{base.__name__}"})
+                {"forward": base.forward, "_replaced_class": base, "__module__": __name__,
+                 "__qualname__": f"Quant{base.__name__}"})
+
+
+def _new_packed_embedding(base: type) -> QuantEmbedding:
+    """An empty ``Quant<base>`` for unpickling (its state is set by ``__setstate__``)."""
+    klass = _packed_embedding_class(base)
+    return klass.__new__(klass)
 
 
 class QuantLMHead(nn.Module):
