@@ -1,5 +1,8 @@
 """Modules that hold packed weights: ``QuantLinear``, ``QuantEmbedding`` and the tied ``QuantLMHead``.
 
+``QuantEmbedding.replacing`` keeps an architecture's own embedding class (its forward, e.g. Gemma's
+``sqrt(hidden)`` scale, and its buffers): only the source of ``weight`` changes.
+
 Their forward is the reference path: dequantize the packed weight, then a dense matmul (or lookup).
 With ``cache=True`` a module keeps its dequantized weight after the first forward (fast repeated
 evaluation on CPU, at the memory cost of a dense weight); the packed buffers stay the source of truth.
@@ -125,7 +128,6 @@ class QuantEmbedding(_Packed):
             for k, m in old._modules.items():
                 new.add_module(k, m)
         return new
-
 
     def __reduce_ex__(self, protocol):
         base = getattr(type(self), "_replaced_class", None)
