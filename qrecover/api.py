@@ -374,6 +374,15 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def _check_plain_linear(name: str, module: nn.Module) -> None:
+    """A packed linear layer computes ``x W^T + b`` and nothing else: refuse a layer class whose forward does
+    more (a scaled or capped head inside the module) rather than load a model that silently differs.
+    Logit soft-capping (Gemma-2/3) is applied by the causal-LM forward, outside the head, and is kept."""
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        raise QRecoverError(f"{name} is a {type(module).__name__}, whose forward is not a plain linear layer's; "
+                            "qrecover cannot load it packed yet: compress with a model whose linear layers are nn.Linear")
+
+
 def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: str | Path | None = None,
          allow_foreign_adapter: bool = False) -> nn.Module:
     """Load a compressed checkpoint as a transformers model with :class:`QuantLinear` layers.
@@ -411,14 +420,16 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        if info["kind"] == "embedding":
-            new = QuantEmbedding(qw, padding_idx=getattr(old, "padding_idx", None), cache=True)
+        if info["kind"] == "embedding":  # keeps the module's own forward (e.g. Gemma's sqrt(hidden) scale)
+            new = QuantEmbedding.replacing(old, qw, cache=True)
         else:
+            _check_plain_linear(name, old)
             bias = state.pop(f"{name}.bias", None)
             new = QuantLinear(qw, bias=bias.float() if bias is not None else None, cache=cache)
         setattr(parent, child, new)
         if "tied_to" in info:
             hp, _, hc = info["tied_to"].rpartition(".")
+            _check_plain_linear(info["tied_to"], model.get_submodule(info["tied_to"]))
             setattr(model.get_submodule(hp), hc, QuantLMHead(new))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not any(k.startswith(f"{n}.") for n in manifest["layers"])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,8 @@ class CompressConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.bpw is not None and not (self.bpw > 0):
-            raise QRecoverError(f"--bpw {self.bpw} must be positive, e.g. --bpw 3.7")
+        if self.bpw is not None and not (self.bpw > 0 and math.isfinite(self.bpw)):
+            raise QRecoverError(f"--bpw {self.bpw} must be positive and finite, e.g. --bpw 3.7")
         if self.scope not in ("model", "linear"):
             raise QRecoverError(f"--scope {self.scope!r} must be 'model' or 'linear'")
         if not self.bits:

@@ -75,6 +75,27 @@ def token_stream(tokenizer, texts: list[str], n_tokens: int) -> torch.Tensor:
     raise QRecoverError(f"the text gives only {len(ids)} tokens, fewer than the {n_tokens} needed; use fewer samples or more text")
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer itself puts its BOS token in front of a text (Gemma's, Llama-2's do; SmolLM2's
+    does not). Models trained that way expect every sequence to start with BOS."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return len(with_special) > len(plain) and with_special[0] == bos
+
+
 def token_windows(tokenizer, source: str, split: str, n: int, seq_len: int) -> torch.Tensor:
-    """``(n, seq_len)`` non-overlapping windows from the start of a split's token stream."""
-    return token_stream(tokenizer, documents(source, split), n * seq_len).view(n, seq_len)
+    """``(n, seq_len)`` non-overlapping windows from the start of a split's token stream.
+
+    For a tokenizer that adds BOS (:func:`adds_bos`), every window is BOS followed by the next
+    ``seq_len - 1`` stream tokens, as the model sees text at inference; otherwise the windows are the
+    stream cut in ``seq_len`` pieces, nothing added.
+    """
+    if not adds_bos(tokenizer):
+        return token_stream(tokenizer, documents(source, split), n * seq_len).view(n, seq_len)
+    if seq_len < 2:
+        raise QRecoverError(f"seq_len={seq_len}: windows that start with BOS need at least 2 tokens")
+    body = token_stream(tokenizer, documents(source, split), n * (seq_len - 1)).view(n, seq_len - 1)
+    return torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), body], dim=1)

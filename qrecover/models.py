@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +66,12 @@ def default_model_dir(progress: bool = True) -> Path:
 def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as e:  # an architecture or tensor type transformers cannot convert
+        raise QRecoverError(f"{str(path)!r} cannot be loaded by transformers ({e}); pass a Hugging Face model "
+                            "directory of this model instead") from None
     # a GGUF-loaded model refuses save_pretrained; rebuild it as a plain float model
     config = model.config
     if hasattr(config, "quantization_config"):
@@ -73,6 +80,71 @@ def _load_gguf(path: Path):
     plain.load_state_dict(model.state_dict())
     plain.eval()
     return plain, tok
+
+
+# GGUF metadata value types: struct format of the fixed-width ones (8 = string, 9 = array)
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a file that is not a complete GGUF (v2/v3) before anything loads it: the magic bytes, a header
+    that parses, and every tensor of the header's table inside the file. Reads the header only (~0.1 s)."""
+    import gguf  # the tensor types' block sizes
+
+    fix = "pass a complete .gguf file (download or copy it again) or a Hugging Face model directory"
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head != b"GGUF":
+            raise QRecoverError(f"{str(path)!r} is not a GGUF file (it starts with {head!r}, not b'GGUF'); {fix}")
+        size = path.stat().st_size
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            try:
+                version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
+                if version not in (2, 3):
+                    raise QRecoverError(f"{str(path)!r} is GGUF version {version}; qrecover reads versions 2 and 3: {fix}")
+                pos, alignment = 24, gguf.GGUF_DEFAULT_ALIGNMENT
+
+                def string(pos: int) -> tuple[bytes, int]:
+                    (n,) = struct.unpack_from("<Q", blob, pos)
+                    if pos + 8 + n > size:
+                        raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end of the file")
+                    return blob[pos + 8:pos + 8 + n], pos + 8 + n
+
+                def value(kind: int, pos: int) -> tuple[object, int]:
+                    if kind in _GGUF_SCALAR:
+                        return struct.unpack_from(_GGUF_SCALAR[kind], blob, pos)[0], pos + struct.calcsize(_GGUF_SCALAR[kind])
+                    if kind == 8:
+                        return string(pos)
+                    if kind == 9:
+                        item, count = struct.unpack_from("<IQ", blob, pos)
+                        pos += 12
+                        if item in _GGUF_SCALAR:
+                            return None, pos + count * struct.calcsize(_GGUF_SCALAR[item])
+                        for _ in range(count):
+                            _, pos = value(item, pos)
+                        return None, pos
+                    raise ValueError(f"unknown metadata value type {kind} at offset {pos}")
+
+                for _ in range(n_kv):
+                    key, pos = string(pos)
+                    (kind,) = struct.unpack_from("<I", blob, pos)
+                    v, pos = value(kind, pos + 4)
+                    if key == b"general.alignment":
+                        alignment = int(v)
+                end = 0
+                for _ in range(n_tensors):
+                    name, pos = string(pos)
+                    (n_dims,) = struct.unpack_from("<I", blob, pos)
+                    dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+                    kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+                    pos += 4 + 8 * n_dims + 12
+                    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                    end = max(end, offset + math.prod(dims) // block * nbytes)
+            except (struct.error, ValueError, KeyError, OverflowError) as e:
+                raise QRecoverError(f"{str(path)!r} is truncated or corrupted: its GGUF header cannot be read ({e}); {fix}") from None
+    need = (pos + alignment - 1) // alignment * alignment + end
+    if size < need:
+        raise QRecoverError(f"{str(path)!r} is truncated: {size:,} bytes, its GGUF header describes {need:,}; {fix}")
 
 
 def resolve(spec: str | None) -> tuple[Path, str]:
@@ -85,11 +157,15 @@ def resolve(spec: str | None) -> tuple[Path, str]:
     if p.is_file():
         if p.suffix != ".gguf":
             raise QRecoverError(f"model file {spec!r} is not a .gguf file; pass a GGUF file or a model directory")
+        check_gguf(p)
         return p, "gguf"
     if (p / "qrecover.json").exists():
         return p, "qrecover"
     if not (p / "config.json").exists():
         raise QRecoverError(f"{spec!r} has no config.json: not a Hugging Face model directory")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise QRecoverError(f"{spec!r} has a config.json but no weights (no *.safetensors or *.bin file); pass a "
+                            "directory saved with save_pretrained, weights included")
     return p, "hf"
 
 
@@ -130,7 +206,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder layers: the ModuleList whose length is ``num_hidden_layers``."""
     config = getattr(model, "config", None)
     n = getattr(config, "num_hidden_layers", None) or getattr(getattr(config, "text_config", None), "num_hidden_layers", None)
-    candidates = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    # the text decoder first: a multimodal model (Gemma-3) may hold a vision encoder with as many layers
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    roots = [decoder, model] if isinstance(decoder, nn.Module) else [model]
+    candidates = [m for r in roots for m in r.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if not candidates:
         raise QRecoverError(f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of {n} layers")
     return candidates[0]

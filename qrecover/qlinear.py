@@ -1,5 +1,8 @@
 """Modules that hold packed weights: ``QuantLinear``, ``QuantEmbedding`` and the tied ``QuantLMHead``.
 
+``QuantEmbedding.replacing`` keeps an architecture's own embedding class (its forward, e.g. Gemma's
+``sqrt(hidden)`` scale, and its buffers): only the source of ``weight`` changes.
+
 Their forward is the reference path: dequantize the packed weight, then a dense matmul (or lookup).
 With ``cache=True`` a module keeps its dequantized weight after the first forward (fast repeated
 evaluation on CPU, at the memory cost of a dense weight); the packed buffers stay the source of truth.
@@ -7,10 +10,13 @@ evaluation on CPU, at the memory cost of a dense weight); the packed buffers sta
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import QRecoverError
 from .schemes import QuantizedWeight, get_quantizer
 
 
@@ -75,7 +81,12 @@ class QuantLinear(_Packed, nn.Linear):
 
 
 class QuantEmbedding(_Packed):
-    """An embedding table ``(num_embeddings, embedding_dim)`` stored packed."""
+    """An embedding table ``(num_embeddings, embedding_dim)`` stored packed.
+
+    Built on its own, its forward is a plain lookup. Built with :meth:`replacing` an architecture's own
+    embedding module (Gemma's ``*ScaledWordEmbedding`` multiplies the lookup by ``sqrt(hidden_size)``),
+    it keeps that module's class, forward, buffers and attributes: only where ``weight`` comes from changes.
+    """
 
     def __init__(self, qw: QuantizedWeight, padding_idx: int | None = None, cache: bool = True):
         super().__init__(qw, cache)
@@ -88,6 +99,56 @@ class QuantEmbedding(_Packed):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.dequantize(), self.padding_idx)
+
+    @classmethod
+    def replacing(cls, old: nn.Embedding, qw: QuantizedWeight, cache: bool = True) -> "QuantEmbedding":
+        """A packed embedding that behaves as ``old`` does (``old.weight`` shape ``(vocab, hidden)``).
+
+        A plain ``nn.Embedding`` (no max_norm, no sparse gradients) gives a :class:`QuantEmbedding`. Any other
+        class gives an instance of a subclass of both, ``Quant<Class>``, whose forward is ``old``'s: its
+        buffers (e.g. ``embed_scale``) and plain attributes are carried over, its ``weight`` Parameter is
+        replaced by the dequantized packed tensor.
+        """
+        if not isinstance(old, nn.Embedding):
+            raise QRecoverError(f"cannot replace {type(old).__name__} with a packed embedding: it is not an nn.Embedding")
+        if tuple(old.weight.shape) != tuple(qw.shape):
+            raise QRecoverError(f"{type(old).__name__} has shape {tuple(old.weight.shape)}, the packed weight {tuple(qw.shape)}: "
+                                "the checkpoint does not match its config; compress again")
+        plain = type(old) is nn.Embedding and old.max_norm is None and not old.sparse
+        klass = cls if plain else _packed_embedding_class(type(old))
+        new = klass.__new__(klass)
+        QuantEmbedding.__init__(new, qw, padding_idx=old.padding_idx, cache=cache)
+        if not plain:
+            skip = set(vars(new)) | {"weight"}
+            for k, v in vars(old).items():  # max_norm, norm_type, scalar_embed_scale, ...
+                if k not in skip and not k.startswith("_"):
+                    setattr(new, k, v)
+            for k, b in old._buffers.items():  # e.g. embed_scale
+                new.register_buffer(k, b, persistent=k not in old._non_persistent_buffers_set)
+            for k, m in old._modules.items():
+                new.add_module(k, m)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        base = getattr(type(self), "_replaced_class", None)
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        # a run-time class cannot be pickled by name: rebuild it from the class it replaced (importable)
+        return _new_packed_embedding, (base,), self.__getstate__()
+
+
+@functools.cache
+def _packed_embedding_class(base: type) -> type:
+    """``Quant<base>``: a :class:`QuantEmbedding` that is also a ``base`` and runs ``base.forward``."""
+    return type(f"Quant{base.__name__}", (QuantEmbedding, base),
+                {"forward": base.forward, "_replaced_class": base, "__module__": __name__,
+                 "__qualname__": f"Quant{base.__name__}"})
+
+
+def _new_packed_embedding(base: type) -> QuantEmbedding:
+    """An empty ``Quant<base>`` for unpickling (its state is set by ``__setstate__``)."""
+    klass = _packed_embedding_class(base)
+    return klass.__new__(klass)
 
 
 class QuantLMHead(nn.Module):

@@ -219,3 +219,71 @@ def test_single_width_without_bpw_is_uniform(tiny_model_dir, tmp_path, capsys):
     code, _, err = run(["compress", "--model", str(tiny_model_dir), "--uniform", "--bpw", "5", "--bits", "4",
                         "--out", str(tmp_path / "x")], capsys)
     assert code == 2 and "contradict" in err
+
+
+# --- bad model files and budgets: refused before any work, nothing left on disk ----------------------------
+
+
+def _nothing_written(tmp_path, *inputs):
+    """The output directory does not exist and no temporary directory was left beside it."""
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(inputs)
+
+
+def test_model_dir_without_weights(tiny_model_dir, tmp_path, capsys):
+    d = tmp_path / "noweights"
+    d.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (d / f.name).write_bytes(f.read_bytes())
+    msg = expect_error(compress_args(d, tmp_path / "o", "--bpw", "5"), capsys, "error:", "noweights",
+                       "has a config.json but no weights", "*.safetensors", "save_pretrained")
+    assert msg.count("error:") == 1
+    _nothing_written(tmp_path, "noweights")
+
+
+def _write_gguf(path, n=256):
+    """A small valid GGUF (v3): llama metadata and two float tensors (4 x 64 f32, n f16)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("a", np.arange(256, dtype=np.float32).reshape(4, 64))
+    w.add_tensor("b", np.ones(n, np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("keep, needle", [(-1, "is truncated: "), (-600, "is truncated: "), (40, "truncated or corrupted"),
+                                          (3, "is not a GGUF file")])
+def test_truncated_gguf(keep, needle, tmp_path, capsys):
+    """A .gguf cut anywhere (in the tensor data, the header, the magic bytes) is refused from its header."""
+    from qrecover.models import check_gguf
+
+    whole = _write_gguf(tmp_path / "whole.gguf")
+    check_gguf(tmp_path / "whole.gguf")  # the complete file passes
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:keep])
+    msg = expect_error(compress_args(cut, tmp_path / "o", "--bpw", "5"), capsys, "error:", "cut.gguf", needle,
+                       "pass a complete .gguf file")
+    if needle == "is truncated: ":
+        assert f"{len(whole[:keep]):,} bytes, its GGUF header describes {len(whole):,}" in msg, msg
+    _nothing_written(tmp_path, "whole.gguf", "cut.gguf")
+
+
+def test_not_a_gguf_file(tmp_path, capsys):
+    f = tmp_path / "model.gguf"
+    f.write_text('{"not": "a gguf"}\n')
+    expect_error(compress_args(f, tmp_path / "o", "--bpw", "5"), capsys, "error:", "model.gguf",
+                 "is not a GGUF file", "b'{\"no'", "pass a complete .gguf file")
+    _nothing_written(tmp_path, "model.gguf")
+
+
+@pytest.mark.parametrize("bpw", ["inf", "-inf", "nan"])
+def test_bpw_not_finite(bpw, tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", bpw), capsys, "error:",
+                 f"--bpw {float(bpw)}", "must be positive and finite", "--bpw 3.7")
+    _nothing_written(tmp_path)
