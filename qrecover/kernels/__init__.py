@@ -111,7 +111,7 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
         return reference.linear(layer, x)
     if not select(layer, x.device, batch).fused:
         return reference.linear(layer, x)
-    from .qmatmul import quant_matmul
+    from .qmatmul import quant_matmul  # triton: an optional dependency, imported at first use
 
     tensors = {n: getattr(layer, n) for n in layer._tensor_names}
     y = quant_matmul(x.reshape(batch, x.shape[-1]), layer_format(layer), tensors, layer.bias)
@@ -123,11 +123,10 @@ def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
 
     Raises :class:`~qrecover.errors.QRecoverError` for a layer the kernel cannot read.
     """
-    from .qmatmul import quant_matmul
-
     fmt = layer_format(layer)
     if isinstance(fmt, str):
         raise QRecoverError(f"layer {tuple(layer.shape)} {layer.scheme} {layer.bits}-bit: {fmt}; use the reference path")
+    from .qmatmul import quant_matmul  # triton: an optional dependency, imported at first use
     tensors = {n: getattr(layer, n) for n in layer._tensor_names}
     batch = x.numel() // x.shape[-1]
     y = quant_matmul(x.reshape(batch, x.shape[-1]), fmt, tensors, layer.bias, config)

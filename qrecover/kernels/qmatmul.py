@@ -41,16 +41,12 @@ tensor-core ``tl.dot``; accumulation is fp32.
 
 from __future__ import annotations
 
-import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config, Format
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 # ------------------------------------------------------------------------------------------- kernels
 
@@ -157,6 +153,12 @@ def _splitk_reduce(ws_ptr, bias_ptr, out_ptr, total, N, stride_os,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def interpreting() -> bool:
+    """True when these kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module
+    was imported: ``@triton.jit`` reads it at decoration time)."""
+    return isinstance(_qmm_kernel, InterpretedFunction)
 
 
 # ------------------------------------------------------------------------------------------- configs
@@ -270,4 +272,7 @@ def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor],
     if bias is not None:
         bias = bias.to(x.dtype)
     cfg = config or _tune(x, fmt, tensors, bias)
+    if fmt.cblock % cfg.block_k or (cfg.use_dot and cfg.block_m < 16):
+        raise ValueError(f"{cfg=} is invalid for {fmt=}: block_k must divide cblock (a K-tile lies in one column "
+                         "block) and a tl.dot tile needs block_m >= 16")
     return _launch(x, fmt, tensors, bias, cfg)
