@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config, Format
@@ -254,7 +255,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
         for cfg in configs:
             try:
                 timings[cfg] = triton.testing.do_bench(lambda: _launch(x, fmt, tensors, bias, cfg), warmup=5, rep=20)
-            except triton.runtime.errors.OutOfResources:
+            except OutOfResources:
                 continue
         best = min(timings, key=timings.get)
     _TUNED[key] = best
