@@ -4,7 +4,7 @@ Without a GPU the Triton kernels run on CPU under triton's interpreter: the modu
 ``TRITON_INTERPRET=1`` before the kernel modules are imported (``@triton.jit`` reads it at decoration time)
 and restores the environment afterwards. With a GPU the same tests run the compiled kernels on CUDA.
 Every packed format ``qrecover compress`` writes is checked (palettize 2/3/4 with whole-row and per-block
-tables, blockwise 2/3/4/8 symmetric/asymmetric, blocks 32/64/per-channel), at batch 1 (GEMV) and > 16
+tables, and 8, blockwise 2/3/4/8 symmetric/asymmetric, blocks 32/64/per-channel), at batch 1 (GEMV) and > 16
 (tiled), with odd output counts that do not fill the last tile. The dispatch decision (``select``) is
 pure and tested without triton. GPU-only tests are marked ``gpu``.
 """
@@ -77,6 +77,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 FORMATS = (
     [("palettize", b, dict(block_size=c)) for b in (2, 3, 4) for c in (None, 32)]
+    + [("palettize", 8, dict(block_size=64))]  # 256-entry tables: gathered through L1, not registers
     + [("blockwise", b, dict(block_size=c, symmetric=s)) for b in (2, 3, 4, 8) for c in (32, 64, None) for s in (True, False)]
 )
 

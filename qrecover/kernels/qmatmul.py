@@ -6,18 +6,19 @@ tile of codes straight from the packed buffers and multiplies it in registers.
 Layout read (no repack, no extra memory). ``qdata`` is the flat little-endian bit stream of
 :mod:`qrecover.packing`: code ``k = row * I + col`` occupies stream bits ``[k*bits, (k+1)*bits)``. With
 ``I % 32 == 0`` every row starts on a 32-bit word boundary, so the kernel reads ``qdata.view(int32)``
-(a zero-copy view of the stored bytes; little-endian words keep the stream's bit order) and code ``col``
-of a row sits at bit ``col*bits`` of the row's words. 2/4/8-bit codes never straddle a word; a 3-bit
-code straddles one when its bit offset within the word is 30 or 31 (codes 10 and 21 of every 32), and
-those read the next word too (a masked second load that only those lanes issue). Layers with
-``I % 32 != 0`` go to the reference path (see :func:`qrecover.kernels.select`).
+(a zero-copy view of the stored bytes; little-endian words keep the stream's bit order). Each word is
+loaded once, contiguously along the row, and expanded in registers: 2/4/8-bit codes never straddle a
+word (``32 / bits`` codes each); 3-bit codes come in groups of 32 codes per 3 words, codes 10 and 21 of
+a group straddling two words, combined with a shift and an or. Layers with ``I % 32 != 0`` go to the
+reference path (see :func:`qrecover.kernels.select`).
 
 Formats (shapes as the schemes document them, ``G = group_size``, ``C = block_size or I``):
 
 - palettize: ``lut`` fp16 ``(O/G * I/C, 2**bits)``; weight = ``lut[(row // G) * (I/C) + col // C, code]``.
-  The tile's tables are read by a gather through L1 (on Hopper the same on-chip SRAM as shared
-  memory; Triton exposes no explicit shared-memory gather). Every K-tile lies inside one column block
-  (``BLOCK_K`` divides ``C``), so a tile reads ``BLOCK_N / G`` tables at most.
+  Every K-tile lies inside one column block (``BLOCK_K`` divides ``C``), so each row of the tile has one
+  table: for 2/3/4 bits the tile's tables ``(BLOCK_N, 2**bits)`` are loaded into registers and looked up
+  with ``tl.gather`` (lowered to warp shuffles on NVIDIA; no memory access per weight); 8-bit tables
+  (256 entries) are gathered through L1.
 - blockwise: ``scale`` fp16 ``(O, I/B)``; ``zero_point`` bit-packed ``(O * I/B)`` codes (asymmetric) or
   the constant ``2**(bits-1)`` (symmetric); weight = ``(code - zero_point) * scale``.
 
@@ -53,18 +54,32 @@ from .formats import Config, Format
 
 
 @triton.jit
-def _codes(qw_ptr, row_word, cols, BITS: tl.constexpr):
-    """Codes ``(BN, BK)`` int32: ``row_word (BN,)`` int64 first word of each row, ``cols (BK,)`` columns."""
-    bit = cols * BITS
-    shift = (bit & 31).to(tl.uint32)
-    ptr = qw_ptr + row_word[:, None] + (bit >> 5)[None, :]
-    word = tl.load(ptr).to(tl.uint32, bitcast=True)
-    code = word >> shift[None, :]
+def _codes(qw_ptr, row_word, k0, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Codes ``(BN, BLOCK_K)`` int32 of columns ``k0 .. k0 + BLOCK_K``; ``row_word (BN,)`` int64 first word of each row.
+
+    Each 32-bit word is loaded once (contiguous along the row, so loads vectorise) and expanded in registers:
+    2/4/8 bits: ``32 / bits`` codes per word; 3 bits: 32 codes per 3 words, codes 10 and 21 straddling two.
+    """
     if BITS == 3:
-        straddle = (shift > 29)[None, :] & (row_word >= 0)[:, None]
-        nxt = tl.load(ptr + 1, mask=straddle, other=0).to(tl.uint32, bitcast=True)
-        code = code | tl.where(straddle, nxt << ((32 - shift) & 31)[None, :], 0)
-    return (code & ((1 << BITS) - 1)).to(tl.int32)
+        n_grp: tl.constexpr = BLOCK_K // 32
+        base = qw_ptr + row_word[:, None] + ((k0 // 32) * 3 + tl.arange(0, n_grp) * 3)[None, :]  # (BN, n_grp)
+        w0 = tl.load(base).to(tl.uint32, bitcast=True)[:, :, None]
+        w1 = tl.load(base + 1).to(tl.uint32, bitcast=True)[:, :, None]
+        w2 = tl.load(base + 2).to(tl.uint32, bitcast=True)[:, :, None]
+        bit = tl.arange(0, 32) * 3
+        wi = (bit >> 5)[None, None, :]
+        shift = (bit & 31).to(tl.uint32)[None, None, :]
+        lo = tl.where(wi == 0, w0, tl.where(wi == 1, w1, w2)) >> shift
+        hi = tl.where(wi == 0, w1, w2) << ((32 - shift) & 31)
+        code = tl.where(shift > 29, lo | hi, lo)
+    else:
+        CPW: tl.constexpr = 32 // BITS
+        n_words: tl.constexpr = BLOCK_K // CPW
+        words = tl.load(qw_ptr + row_word[:, None] + (k0 // CPW + tl.arange(0, n_words))[None, :])
+        shift = (tl.arange(0, CPW) * BITS).to(tl.uint32)[None, None, :]
+        code = words.to(tl.uint32, bitcast=True)[:, :, None] >> shift
+    code = (code & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.reshape(code, (code.shape[0], BLOCK_K))
 
 
 @triton.jit
@@ -82,13 +97,16 @@ def _weight_tile(qw_ptr, lut_ptr, scale_ptr, zp_ptr, rows, k0, K, n_cblocks, zp_
                  SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CBLOCK: tl.constexpr,
                  HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The dequantized fp32 tile ``(BN, BLOCK_K)`` of rows ``rows`` and columns ``k0 .. k0 + BLOCK_K``."""
-    cols = k0 + tl.arange(0, BLOCK_K)
     rows64 = rows.to(tl.int64)
-    code = _codes(qw_ptr, rows64 * (K * BITS // 32), cols, BITS)
+    code = _codes(qw_ptr, rows64 * (K * BITS // 32), k0, BITS, BLOCK_K)
     cb = k0 // CBLOCK  # the one column block this tile lies in
     if SCHEME == 0:
         table = (rows64 // GROUP) * n_cblocks + cb
-        w = tl.load(lut_ptr + (table * (1 << BITS))[:, None] + code).to(tl.float32)
+        if BITS <= 4:  # the rows' tables in registers (BN, 2**bits), looked up with an in-register gather
+            entries = tl.load(lut_ptr + (table * (1 << BITS))[:, None] + tl.arange(0, 1 << BITS)[None, :])
+            w = tl.gather(entries.to(tl.float32), code, axis=1)
+        else:  # 256-entry tables: a gather through L1
+            w = tl.load(lut_ptr + (table * (1 << BITS))[:, None] + code).to(tl.float32)
     else:
         blk = rows64 * n_cblocks + cb
         scale = tl.load(scale_ptr + blk).to(tl.float32)
