@@ -226,7 +226,10 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
     m, k = x.shape
     n = fmt.out_f
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    qw = tensors["qdata"].view(torch.int32)
+    qdata = tensors["qdata"]
+    if qdata.storage_offset() % 4 or not qdata.is_contiguous():  # a view into a larger buffer: words need alignment
+        qdata = qdata.contiguous().clone()
+    qw = qdata.view(torch.int32)
     dummy = qw
     lut = tensors.get("lut", dummy)
     scale = tensors.get("scale", dummy)
