@@ -221,9 +221,10 @@ def embed_in_dtype(model, dtype: torch.dtype):
 
 
 def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dict:
+    """Build, save and compress a random Llama of ``config``; decode fused vs reference vs the uncompressed model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from qrecover.api import compress, load
+    from qrecover.api import compress
     from qrecover.config import CompressConfig
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,11 +238,23 @@ def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dic
         # a 3/4-bit mix at 3.7 bpw; no error feedback: the values do not change the speed, and it saves minutes
         cfg = CompressConfig(model=str(src), bpw=3.7, scope="linear", bits=[3, 4], calib_data=calib, calib_samples=4,
                              seq_len=128, scheme_params={"error_feedback": False})
-        manifest = compress(cfg, out=tmp / "ckpt", show_progress=False)
+        compress(cfg, out=tmp / "ckpt", show_progress=False)
         compress_s = time.time() - t0
         dtype = torch.float16 if timed else torch.float32
-        qmodel = embed_in_dtype(load(tmp / "ckpt").to(device=device, dtype=dtype), dtype)
-        fp16 = LlamaForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval() if timed else None
+        dense = LlamaForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval() if timed else None
+        row = decode_checkpoint(tmp / "ckpt", device, timed, new_tokens, dense)
+    row.update(config={k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")},
+               compress_s=compress_s)
+    return row
+
+
+def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, dense=None) -> dict:
+    """Greedy decoding of a qrecover checkpoint with the fused kernels and with the reference path (and of
+    ``dense``, the uncompressed model, when given): tokens/s when timed, and the fused-vs-reference agreement."""
+    from qrecover.api import load
+
+    dtype = torch.float16 if timed else torch.float32
+    qmodel = embed_in_dtype(load(ckpt).to(device=device, dtype=dtype), dtype)
     ids = torch.tensor([[5, 17, 42, 7]], device=device)
 
     def generate(model) -> tuple[list[int], float, torch.Tensor]:
@@ -258,8 +271,7 @@ def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dic
 
     quant = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     calls = {"fused": 0}
-    row = {"config": {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")},
-           "measured_bpw": manifest.get("measured_bpw"), "compress_s": compress_s, "new_tokens": new_tokens,
+    row = {"checkpoint": str(ckpt), "measured_bpw": qmodel.qrecover_manifest.get("measured_bpw"), "new_tokens": new_tokens,
            "kernel_layers": f"{sum(not isinstance(kernels.layer_format(m), str) for m in quant)}/{len(quant)}"}
     old = os.environ.get("QRECOVER_KERNELS")
     try:
@@ -283,8 +295,9 @@ def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dic
     row["greedy_tokens_match"] = sum(a == b for a, b in zip(fused_tokens, ref_tokens)) / new_tokens
     row["prompt_logits_rel_err"] = rel_err(fused_logits, ref_logits)
     if timed:
-        _, fp16_tps, _ = generate(fp16)
-        row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps, tok_s_fp16=fp16_tps)
+        row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps)
+        if dense is not None:
+            row["tok_s_fp16"] = generate(dense)[1]
     return row
 
 
@@ -304,14 +317,18 @@ def markdown(result: dict) -> str:
         if timed:
             lines[-1] += (f"; base {m['ms_base']:.4f} ms, with adapters {m['ms_multi']:.4f} ms "
                           f"(+{m['overhead_vs_base']:.0%}), one by one {m['ms_one_by_one']:.4f} ms")
-    d = result.get("decode")
-    if d:
-        lines += ["", f"greedy decode ({d['config']}, {d['measured_bpw']}, compressed in {d['compress_s']:.0f} s): "
+    for key in ("decode", "checkpoint_decode"):
+        d = result.get(key)
+        if not d:
+            continue
+        what = f"{d['config']}, compressed in {d['compress_s']:.0f} s" if "config" in d else d["checkpoint"]
+        lines += ["", f"greedy decode ({what}, bpw {d['measured_bpw']}): "
                   f"{d['kernel_layers']} linear layers on the kernel; prompt logits fused vs reference rel. err "
                   f"{d['prompt_logits_rel_err']:.1e}; greedy tokens agree on {d['greedy_tokens_match']:.0%} of {d['new_tokens']}"]
         if timed:
-            lines[-1] += (f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}, "
-                          f"fp16 {d['tok_s_fp16']:.1f}")
+            lines[-1] += f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}"
+            if "tok_s_fp16" in d:
+                lines[-1] += f", fp16 {d['tok_s_fp16']:.1f}"
     return "\n".join(lines)
 
 
@@ -339,6 +356,7 @@ def main() -> None:
     ap.add_argument("--parts", default="layers,adapters,decode",
                     help="comma-separated subset of layers,adapters,decode (on a GPU each fits a 10-minute slot; "
                          "decode compresses a 1B model on the CPU first, a few minutes on 16 cores)")
+    ap.add_argument("--checkpoint", help="also decode this qrecover checkpoint (e.g. the default model's), fused vs reference")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = ap.parse_args()
     if args.device == "cpu" and not args.interpret:
@@ -364,6 +382,9 @@ def main() -> None:
     if "decode" in parts:
         result["decode"] = bench_decode(args.device, LLAMA_1B if timed else LLAMA_TOY, timed, 64 if timed else 8)
         checks.append(result["decode"]["prompt_logits_rel_err"] < (2e-2 if timed else 1e-5))
+    if args.checkpoint:
+        result["checkpoint_decode"] = decode_checkpoint(Path(args.checkpoint), args.device, timed, 64 if timed else 8)
+        checks.append(result["checkpoint_decode"]["prompt_logits_rel_err"] < (2e-2 if timed else 1e-5))
     result["correct"] = all(checks)
     print(markdown(result))
     out = Path(args.out)
