@@ -151,7 +151,6 @@ def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None) 
                                bw_frac_fused=(layer.nbytes + io) / (t_fused * 1e-3) / copy_bw,
                                bw_frac_fp16=(w16.numel() * 2 + io) / (t_fp16 * 1e-3) / copy_bw)
                 rows.append(row)
-            del layer
     return rows
 
 
@@ -193,7 +192,7 @@ def bench_multi_adapter(device: str, shape: tuple[int, int], timed: bool, rank: 
 
 def _tokenizer_and_text(d: Path) -> str:
     """A byte-level tokenizer saved into ``d`` and a synthetic calibration text file; returns the text path."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}

@@ -259,7 +259,7 @@ def test_multi_adapter_kernels_match_one_by_one(interp, dtype, tol):
     x = torch.randn(19, 96)
     y0 = torch.randn(19, 40)
     ref = y0.double() + _one_by_one64(x.to(dtype), adapters, index)
-    dev = lambda t: t.to(DEV)  # noqa: E731
+    dev = lambda t: t.to(DEV)  # noqa: E731 (a short local helper)
     out = add_lora(dev(y0.to(dtype)), dev(x.to(dtype)), dev(lora_a.to(dtype)), dev(lora_b.to(dtype)), dev(scaling),
                    dev(index), use_kernels=True)
     assert out.dtype == dtype

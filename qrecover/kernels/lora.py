@@ -26,7 +26,7 @@ the baseline the benchmark measures against), and :class:`MultiAdapterLinear` wr
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..errors import QRecoverError
 from . import enabled, triton_available
@@ -117,7 +117,7 @@ class MultiAdapterLinear(nn.Module):
         self.register_buffer("scaling", scaling.float())
 
     @classmethod
-    def from_adapters(cls, base: nn.Module, adapters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> "MultiAdapterLinear":
+    def from_adapters(cls, base: nn.Module, adapters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> MultiAdapterLinear:
         return cls(base, *stack_adapters(adapters))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
