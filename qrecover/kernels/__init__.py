@@ -17,6 +17,7 @@ used, so importing qrecover never needs triton) and the multi-adapter LoRA kerne
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -54,6 +55,7 @@ def enabled() -> bool:
     return os.environ.get("QRECOVER_KERNELS", "1").strip() != "0"
 
 
+@functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
