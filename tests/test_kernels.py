@@ -146,12 +146,14 @@ def test_config_that_crosses_column_blocks_is_refused(interp):
 def test_candidate_configs_are_valid(interp, batch):
     for cblock in (32, 64, 96, 4096):
         fmt = layer_format(make_layer("blockwise", 4, 8, cblock, block_size=None))
-        configs = interp.candidate_configs(fmt, batch)
-        assert configs
-        for c in configs:
-            assert cblock % c.block_k == 0 and (c.block_m >= 16 or not c.use_dot)
-            assert (c.block_m <= 16) == (batch <= 16) or c.block_m == 16  # GEMV tiles for decoding batches
-            assert c.use_dot == (batch > 4)
+        for fp32 in (False, True):
+            configs = interp.candidate_configs(fmt, batch, fp32)
+            assert configs
+            for c in configs:
+                assert cblock % c.block_k == 0 and (c.block_m >= 16 or not c.use_dot)
+                assert (c.block_m <= 16) == (batch <= 16) or c.block_m == 16  # GEMV tiles for decoding batches
+                assert c.use_dot == (batch > 4)
+                assert not (fp32 and c.use_dot) or c.block_m * c.block_n * c.block_k <= 32 * 64 * 32
 
 
 @needs_triton

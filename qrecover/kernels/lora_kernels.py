@@ -62,6 +62,9 @@ def _r_pad(r: int) -> int:
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x (M, I)``, ``lora_a (n, r, I)``, ``index (M,)`` -> ``(M, r)`` fp32."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():  # triton launches on the current device
+        with torch.cuda.device(x.device):
+            return shrink(x, lora_a, index)
     m, k = x.shape
     _, r, _ = lora_a.shape
     x, lora_a, index = x.contiguous(), lora_a.contiguous(), index.contiguous()
@@ -76,6 +79,9 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor) -> torch.
 
 def expand(t: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """In place ``y (M, O) += scaling[index] * lora_b[index] @ t``; ``t (M, r)`` fp32, ``lora_b (n, O, r)``."""
+    if y.is_cuda and y.device.index != torch.cuda.current_device():  # triton launches on the current device
+        with torch.cuda.device(y.device):
+            return expand(t, lora_b, scaling, index, y)
     m, n = y.shape
     r = lora_b.shape[2]
     if y.stride(-1) != 1:

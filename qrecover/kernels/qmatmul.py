@@ -187,9 +187,16 @@ def _pow2_at_least(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def candidate_configs(fmt: Format, m: int) -> list[Config]:
-    """The small config list for this format and batch, best guess first (used alone under the interpreter)."""
+def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
+    """The small config list for this format and batch, best guess first (used alone under the interpreter).
+
+    ``fp32``: fp32 activations, whose full-precision ``tl.dot`` has no tensor cores and needs small tiles
+    (sm_90 compile: 16x64x32 and 32x64x32 fit in registers, 64x64x32 and 64x128x64 spill).
+    """
     ks = [bk for bk in (128, 64, 256, 32) if fmt.cblock % bk == 0]
+    if fp32 and m > 4:
+        tiles = ((16, 32), (16, 64)) if m <= 16 else ((32, 64), (16, 64), (32, 32))
+        return [Config(bm, bn, 32, s, True) for bm, bn in tiles for s in ((4, 1, 2) if m <= 16 else (1, 2))]
     if m <= 16:  # GEMV path
         if m <= 4:
             bm = _pow2_at_least(m)
@@ -268,7 +275,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
     if key in _TUNED:
         return _TUNED[key]
-    configs = candidate_configs(fmt, x.shape[0])
+    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
     else:
@@ -293,6 +300,9 @@ def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor],
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(x.dtype)
+    if x.is_cuda and x.device.index != torch.cuda.current_device():  # triton launches on the current device
+        with torch.cuda.device(x.device):
+            return quant_matmul(x, fmt, tensors, bias, config)
     cfg = config or _tune(x, fmt, tensors, bias)
     if fmt.cblock % cfg.block_k or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"{cfg=} is invalid for {fmt=}: block_k must divide cblock (a K-tile lies in one column "
