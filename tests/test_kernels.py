@@ -292,6 +292,46 @@ def test_multi_adapter_shape_errors():
         layer(torch.randn(3, 64), torch.tensor([0, 0]))
 
 
+def _peft_adapter(ckpt, out, rank: int, targets: list[str], seed: int):
+    """A PEFT adapter on the loaded checkpoint with random (non-zero) A and B, saved in PEFT's format."""
+    from peft import LoraConfig, get_peft_model
+
+    from qrecover.api import load
+
+    model = get_peft_model(load(ckpt), LoraConfig(r=rank, lora_alpha=2.0 * rank + seed, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
+    """Three sequences through one model, each with its own adapter (or none), match PEFT run adapter by adapter."""
+    from peft import PeftModel
+
+    from qrecover.api import load
+    from qrecover.kernels.lora import attach_adapters
+
+    dirs = [_peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "v_proj"], 0),
+            _peft_adapter(tiny_ckpt, tmp_path / "a1", 2, ["q_proj", "down_proj"], 1)]
+    ids = torch.randint(0, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = load(tiny_ckpt)(input_ids=ids).logits
+        expected = [PeftModel.from_pretrained(load(tiny_ckpt), str(dirs[i])).eval()(input_ids=ids[i:i + 1]).logits[0]
+                    for i in range(2)] + [base[2]]
+        model = load(tiny_ckpt)
+        set_index = attach_adapters(model, dirs)
+        set_index(torch.tensor([0, 1, -1]))
+        got = model(input_ids=ids).logits
+    for i in range(3):
+        assert rel_err(got[i], expected[i].double()) < 1e-5, i
+    for i in range(2):  # the adapters do change the output
+        assert rel_err(expected[i], base[i].double()) > 1e-3, i
+
+
 # --- real device ----------------------------------------------------------------------------------------
 
 

@@ -21,11 +21,21 @@ program per token and output block, each reading its own adapter by index):
 the baseline the benchmark measures against), and :class:`MultiAdapterLinear` wraps a base layer:
 ``MultiAdapterLinear(quant_linear, lora_a, lora_b, scaling)(x, index)``. It uses the kernels for CUDA inputs
 (unless ``QRECOVER_KERNELS=0`` or triton is missing) and the reference otherwise.
+
+:func:`attach_adapters` serves PEFT adapter directories (qrecover's recovery adapters are PEFT adapters)
+on a whole model: ``set_index = attach_adapters(model, [dir0, dir1]); set_index(torch.tensor([0, 1, -1]))``
+then any forward (or ``generate``) runs each sequence through its own adapter.
 """
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import QRecoverError
@@ -104,9 +114,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 class MultiAdapterLinear(nn.Module):
     """A base linear layer (e.g. a :class:`~qrecover.qlinear.QuantLinear`) serving many LoRA adapters at once.
 
-    ``forward(x (..., I), index (tokens,)) -> (..., O)``: token ``m`` (row ``m`` of ``x`` flattened to
-    ``(tokens, I)``) gets adapter ``index[m]``, or the base output alone when ``index[m] == -1``. The stacked
-    adapters are buffers (they move with ``.to``); build them from PEFT-style pairs with :func:`stack_adapters`.
+    ``forward(x (..., I), index=None) -> (..., O)``: token ``m`` (row ``m`` of ``x`` flattened to
+    ``(tokens, I)``) gets adapter ``index[m]``, or the base output alone when ``index[m] == -1``. An index of one
+    entry per sequence (``x (B, T, I)``, ``index (B,)``) applies to all ``T`` tokens of the sequence. Without
+    ``index`` the layer uses ``self.token_index``, set for a whole model by :func:`attach_adapters` (the way
+    vLLM sets its per-batch LoRA mapping once for every layer). The stacked adapters are buffers (they move
+    with ``.to``); build them from PEFT-style pairs with :func:`stack_adapters`.
     """
 
     def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor):
@@ -115,14 +128,84 @@ class MultiAdapterLinear(nn.Module):
         self.register_buffer("lora_a", lora_a)
         self.register_buffer("lora_b", lora_b)
         self.register_buffer("scaling", scaling.float())
+        self.token_index: torch.Tensor | None = None
 
     @classmethod
     def from_adapters(cls, base: nn.Module, adapters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> MultiAdapterLinear:
         return cls(base, *stack_adapters(adapters))
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, index: torch.Tensor | None = None, use_kernels: bool | None = None) -> torch.Tensor:
+        index = self.token_index if index is None else index
+        if index is None:
+            raise QRecoverError("MultiAdapterLinear has no adapter index: pass index=, or call the setter returned by "
+                                "attach_adapters(model, adapters) with one adapter (or -1) per sequence or token")
+        tokens = x.numel() // x.shape[-1]
+        if x.dim() == 3 and index.numel() == x.shape[0] != tokens:  # one entry per sequence
+            index = index.repeat_interleave(x.shape[1])
         y = self.base(x)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
         lora_a, lora_b = self.lora_a.to(x.dtype), self.lora_b.to(x.dtype)
         out = add_lora(y2.contiguous(), x2.contiguous(), lora_a, lora_b, self.scaling, index.to(x.device), use_kernels)
         return out.reshape(y.shape)
+
+
+def read_peft_adapter(adapter_dir: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """A PEFT LoRA adapter directory as ``{module name: (A (r, I), B (O, r), scaling)}``.
+
+    Module names are relative to the causal-LM model (``model.layers.0.self_attn.q_proj``), as
+    ``model.get_submodule`` takes them. Handles ``lora_alpha / r`` and rsLoRA's ``lora_alpha / sqrt(r)``;
+    per-module rank or alpha patterns are refused.
+    """
+    adapter_dir = Path(adapter_dir)
+    cfg_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not cfg_path.exists() or not weights.exists():
+        raise QRecoverError(f"{str(adapter_dir)!r} is not a PEFT adapter directory (needs adapter_config.json and "
+                            "adapter_model.safetensors)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise QRecoverError(f"{str(adapter_dir)!r}: only plain LoRA adapters (one rank and alpha) can be stacked; "
+                            f"got peft_type={cfg.get('peft_type')!r}, rank/alpha patterns "
+                            f"{bool(cfg.get('rank_pattern'))}/{bool(cfg.get('alpha_pattern'))}")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    state = load_file(str(weights))
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        name = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+        out[name] = (a, state[key.replace(".lora_A.weight", ".lora_B.weight")], scaling)
+    if not out:
+        raise QRecoverError(f"{weights} holds no lora_A/lora_B weights")
+    return out
+
+
+def attach_adapters(model: nn.Module, adapter_dirs: list[str | Path]) -> Callable[[torch.Tensor], None]:
+    """Serve several PEFT adapters at once on ``model``: every linear layer any adapter targets becomes a
+    :class:`MultiAdapterLinear` holding all of them stacked (index ``i`` = ``adapter_dirs[i]``; an adapter that
+    does not target a layer is zeros there). Returns ``set_index(index)``: call it before each forward with one
+    adapter index (or -1 for the base model) per sequence ``(B,)`` or per token ``(B * T,)``.
+    """
+    adapters = [read_peft_adapter(d) for d in adapter_dirs]
+    layers: list[MultiAdapterLinear] = []
+    for name in sorted(set().union(*adapters)):
+        base = model.get_submodule(name)
+        pairs = []
+        for a in adapters:
+            if name in a:
+                pairs.append(a[name])
+            else:
+                pairs.append((torch.zeros(1, base.in_features), torch.zeros(base.out_features, 1), 0.0))
+        layer = MultiAdapterLinear.from_adapters(base, pairs)
+        device = next(base.buffers(), next(base.parameters(), None))
+        if device is not None:
+            layer.to(device.device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        layers.append(layer)
+
+    def set_index(index: torch.Tensor) -> None:
+        for layer in layers:
+            layer.token_index = index
+
+    return set_index
