@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import QRecoverError
+from . import kernels
 from .schemes import QuantizedWeight, get_quantizer
 
 
@@ -77,6 +78,8 @@ class QuantLinear(_Packed, nn.Linear):
         return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # fused dequant-matmul kernel, or the same reference path (kernels.select decides)
+            return kernels.linear(self, x)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 

@@ -1,0 +1,398 @@
+"""Fused dequant-matmul and multi-adapter LoRA kernels: speed on a GPU, correctness everywhere.
+
+On CUDA (one command, nothing to edit):
+
+    python benchmarks/kernels.py
+    python benchmarks/kernels.py --parts layers      # or adapters, decode: one part per 10-minute slot
+
+- layers of 1B/3B/8B Llama-style models (2048x8192, 3072x8192, 4096x4096, 4096x14336, 14336x4096; out x in)
+  in three packed formats (palettize 3-bit and 4-bit with per-16-row tables, blockwise 4-bit B=64) at
+  batch 1, 4, 16, 64: the fused kernel vs fp16 ``torch.matmul`` vs dequantize-then-matmul (the reference
+  path), GPU time from CUDA-graph replays (``triton.testing.do_bench_cudagraph``), and the bandwidth each
+  achieves as a fraction of a device-to-device copy measured in the same run;
+- multi-adapter LoRA: rank 16, 8 distinct adapters in a batch of 16 on a 4096x4096 3-bit base: the batched
+  shrink/expand kernels vs the base kernel alone and vs applying the adapters one by one;
+- end-to-end greedy decoding tokens/s (batch 1, 64 new tokens): fused vs reference vs the fp16 model, on a
+  model built from a 1B Llama-style config (Llama-3.2-1B geometry) with random weights, saved, and
+  compressed by ``qrecover.api.compress`` at 3.7 bpw with 3/4-bit palettization (a byte-level tokenizer and
+  synthetic calibration text are generated, so nothing is downloaded); fused vs reference checked on the
+  prompt's logits.
+
+On CPU, for correctness only (the kernels run in triton's interpreter; timings would mean nothing and are
+not reported):
+
+    python benchmarks/kernels.py --device cpu --interpret
+
+runs toy shapes and a toy model through the same code and checks every fused result against the reference.
+
+Prints a Markdown table; writes benchmarks/out/kernels-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qrecover import kernels  # noqa: E402  (does not import triton)
+from qrecover.io_utils import write_text_atomic  # noqa: E402
+from qrecover.kernels import reference  # noqa: E402
+from qrecover.kernels.lora import MultiAdapterLinear, add_lora  # noqa: E402
+from qrecover.packing import packed_nbytes  # noqa: E402
+from qrecover.qlinear import QuantEmbedding, QuantLinear  # noqa: E402
+from qrecover.schemes import QuantizedWeight  # noqa: E402
+
+GPU_SHAPES = [(2048, 8192), (3072, 8192), (4096, 4096), (4096, 14336), (14336, 4096)]
+TOY_SHAPES = [(48, 128), (96, 256)]
+BATCHES = [1, 4, 16, 64]
+FORMATS = {  # name -> (scheme, bits, params)
+    "palettize-3": ("palettize", 3, {"group_size": 16, "block_size": None}),
+    "palettize-4": ("palettize", 4, {"group_size": 16, "block_size": None}),
+    "blockwise-4-b64": ("blockwise", 4, {"block_size": 64, "symmetric": True}),
+}
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True)
+LLAMA_TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+def random_layer(fmt: str, out_f: int, in_f: int, device: str, seed: int = 0) -> QuantLinear:
+    """A packed layer with random codes and tables/scales in exactly the stored format (speed does not depend
+    on the values; quantizing 58M-weight matrices would only cost time)."""
+    scheme, bits, params = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"qdata": torch.randint(0, 256, (packed_nbytes(out_f * in_f, bits),), generator=g, dtype=torch.uint8)}
+    if scheme == "palettize":
+        n_tables = out_f // params["group_size"] * (in_f // (params["block_size"] or in_f))
+        tensors["lut"] = (torch.randn(n_tables, 2**bits, generator=g) * 0.02).sort(dim=1).values.half()
+    else:
+        tensors["scale"] = (torch.rand(out_f, in_f // params["block_size"], generator=g) * 0.01).half()
+    return QuantLinear(QuantizedWeight(scheme, bits, (out_f, in_f), params, tensors)).to(device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def gpu_time_ms(fn) -> float:
+    import triton.testing
+
+    fn()  # compile and tune outside the graph
+    torch.cuda.synchronize()
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=50))
+    except RuntimeError as e:  # not capturable: time launches instead (includes launch overhead)
+        print(f"note: CUDA graph capture failed ({str(e)[:80]}); timing with do_bench", file=sys.stderr)
+        return float(triton.testing.do_bench(fn, rep=50))
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write)."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = gpu_time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def environment(device: str) -> dict:
+    env = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            env["driver"] = "unknown"
+    return env
+
+
+def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None) -> list[dict]:
+    rows = []
+    for out_f, in_f in shapes:
+        w16 = None
+        for fmt in FORMATS:
+            layer = random_layer(fmt, out_f, in_f, device)
+            if timed:
+                w16 = layer.dequantize(torch.float16)
+            for batch in BATCHES:
+                x = torch.randn(batch, in_f, device=device, dtype=torch.float16 if timed else torch.float32)
+                with torch.no_grad():
+                    y = kernels.fused_linear(layer, x)
+                    ref = reference.linear(layer, x.float())
+                row = {"shape": f"{out_f}x{in_f}", "format": fmt, "batch": batch,
+                       "path": kernels.select(layer, "cuda", batch).name, "rel_err_vs_reference": rel_err(y, ref),
+                       "packed_bytes": layer.nbytes}
+                if timed:
+                    io = (x.numel() + batch * out_f) * 2
+                    t_fused = gpu_time_ms(lambda: kernels.fused_linear(layer, x))
+                    t_fp16 = gpu_time_ms(lambda: torch.matmul(x, w16.T))
+                    t_deq = gpu_time_ms(lambda: reference.linear(layer, x))
+                    row.update(ms_fused=t_fused, ms_fp16=t_fp16, ms_dequant_matmul=t_deq,
+                               speedup_vs_fp16=t_fp16 / t_fused,
+                               bw_frac_fused=(layer.nbytes + io) / (t_fused * 1e-3) / copy_bw,
+                               bw_frac_fp16=(w16.numel() * 2 + io) / (t_fp16 * 1e-3) / copy_bw)
+                rows.append(row)
+    return rows
+
+
+def bench_multi_adapter(device: str, shape: tuple[int, int], timed: bool, rank: int = 16, n_adapters: int = 8,
+                        batch: int = 16) -> dict:
+    out_f, in_f = shape
+    dtype = torch.float16 if timed else torch.float32
+    base = random_layer("palettize-3", out_f, in_f, device)
+    g = torch.Generator().manual_seed(1)
+    lora_a = (torch.randn(n_adapters, rank, in_f, generator=g) / in_f**0.5).to(device, dtype)
+    lora_b = (torch.randn(n_adapters, out_f, rank, generator=g) * 0.01).to(device, dtype)
+    layer = MultiAdapterLinear(base, lora_a, lora_b, torch.full((n_adapters,), 2.0)).to(device)
+    index = (torch.arange(batch) % n_adapters).to(device)
+    x = torch.randn(batch, in_f, device=device, dtype=dtype)
+
+    def fused_base():
+        return kernels.fused_linear(base, x)
+
+    def fused_multi():
+        return add_lora(fused_base(), x, layer.lora_a, layer.lora_b, layer.scaling, index, use_kernels=True)
+
+    def one_by_one():
+        return add_lora(fused_base(), x, layer.lora_a, layer.lora_b, layer.scaling, index, use_kernels=False)
+
+    with torch.no_grad():
+        row = {"shape": f"{out_f}x{in_f}", "rank": rank, "adapters": n_adapters, "batch": batch,
+               "rel_err_multi_vs_one_by_one": rel_err(fused_multi(), one_by_one())}
+        if timed:
+            t_base, t_multi = gpu_time_ms(fused_base), gpu_time_ms(fused_multi)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                one_by_one()  # data-dependent indexing: not graph-capturable, so wall time
+            torch.cuda.synchronize()
+            t_obo = (time.perf_counter() - t0) / 20 * 1e3
+            row.update(ms_base=t_base, ms_multi=t_multi, ms_one_by_one=t_obo, overhead_vs_base=t_multi / t_base - 1)
+    return row
+
+
+def _tokenizer_and_text(d: Path) -> str:
+    """A byte-level tokenizer saved into ``d`` and a synthetic calibration text file; returns the text path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(d)
+    g = torch.Generator().manual_seed(0)
+    words = ["the", "kernel", "reads", "packed", "codes", "table", "row", "bits", "weight", "decode", "token", "of"]
+    paras = [" ".join(words[i] for i in torch.randint(0, len(words), (200,), generator=g).tolist()) for _ in range(400)]
+    text = d.parent / "calib.txt"
+    text.write_text("\n\n".join(paras))
+    return str(text)
+
+
+def embed_in_dtype(model, dtype: torch.dtype):
+    """Look embeddings up in ``dtype``: ``QuantEmbedding.forward`` dequantizes in fp32, so a model cast to fp16
+    would run fp32 activations, and the tied head (which dequantizes in the activation dtype) would make the
+    embedding's dense cache alternate between dtypes at every step."""
+    emb = model.get_input_embeddings()
+    if isinstance(emb, QuantEmbedding):
+        emb.forward = lambda ids: F.embedding(ids, emb.dequantize(dtype), emb.padding_idx)
+    return model
+
+
+def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dict:
+    """Build, save and compress a random Llama of ``config``; decode fused vs reference vs the uncompressed model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qrecover.api import compress
+    from qrecover.config import CompressConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        src = tmp / "model"
+        src.mkdir()
+        calib = _tokenizer_and_text(src)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(src)
+        t0 = time.time()
+        # a 3/4-bit mix at 3.7 bpw; no error feedback: the values do not change the speed, and it saves minutes
+        cfg = CompressConfig(model=str(src), bpw=3.7, scope="linear", bits=[3, 4], calib_data=calib, calib_samples=4,
+                             seq_len=128, scheme_params={"error_feedback": False})
+        compress(cfg, out=tmp / "ckpt", show_progress=False)
+        compress_s = time.time() - t0
+        dtype = torch.float16 if timed else torch.float32
+        dense = LlamaForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval() if timed else None
+        row = decode_checkpoint(tmp / "ckpt", device, timed, new_tokens, dense)
+    row.update(config={k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")},
+               compress_s=compress_s)
+    return row
+
+
+def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, dense=None) -> dict:
+    """Greedy decoding of a qrecover checkpoint with the fused kernels and with the reference path (and of
+    ``dense``, the uncompressed model, when given): tokens/s when timed, and the fused-vs-reference agreement."""
+    from qrecover.api import load
+
+    dtype = torch.float16 if timed else torch.float32
+    qmodel = embed_in_dtype(load(ckpt).to(device=device, dtype=dtype), dtype)
+    ids = torch.tensor([[5, 17, 42, 7]], device=device)
+
+    def generate(model) -> tuple[list[int], float, torch.Tensor]:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up, tuning
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return out[0, ids.shape[1]:].tolist(), new_tokens / (time.perf_counter() - t0), logits
+
+    quant = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
+    calls = {"fused": 0}
+    row = {"checkpoint": str(ckpt), "measured_bpw": qmodel.qrecover_manifest.get("measured_bpw"), "new_tokens": new_tokens,
+           "kernel_layers": f"{sum(not isinstance(kernels.layer_format(m), str) for m in quant)}/{len(quant)}"}
+    old = os.environ.get("QRECOVER_KERNELS")
+    try:
+        if device == "cpu":  # QuantLinear.forward only dispatches CUDA inputs: route its layers to the kernel here
+            for m in quant:
+                if not isinstance(kernels.layer_format(m), str):
+                    m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
+        os.environ["QRECOVER_KERNELS"] = "1"
+        fused_tokens, fused_tps, fused_logits = generate(qmodel)
+        for m in quant:
+            m.__dict__.pop("forward", None)
+        if device == "cpu" and not calls["fused"]:
+            raise RuntimeError("no layer went through the fused kernel")
+        os.environ["QRECOVER_KERNELS"] = "0"
+        ref_tokens, ref_tps, ref_logits = generate(qmodel)
+    finally:
+        if old is None:
+            os.environ.pop("QRECOVER_KERNELS", None)
+        else:
+            os.environ["QRECOVER_KERNELS"] = old
+    row["greedy_tokens_match"] = sum(a == b for a, b in zip(fused_tokens, ref_tokens)) / new_tokens
+    row["prompt_logits_rel_err"] = rel_err(fused_logits, ref_logits)
+    if timed:
+        row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps)
+        if dense is not None:
+            row["tok_s_fp16"] = generate(dense)[1]
+    return row
+
+
+def markdown(result: dict) -> str:
+    env, timed = result["environment"], result["timed"]
+    lines = [f"## Fused kernels on {env.get('gpu', env['device'])}",
+             "", " | ".join(f"{k} {v}" for k, v in env.items()), ""]
+    if not timed:
+        lines += ["**No GPU figure was measured**: CPU run under triton's interpreter at toy shapes, for correctness "
+                  "only (timings would mean nothing and are not reported).", ""]
+    if "layers" in result:
+        lines += _layer_table(result, timed)
+    m = result.get("multi_adapter")
+    if m:
+        lines += ["", f"multi-adapter LoRA ({m['shape']}, rank {m['rank']}, {m['adapters']} adapters, batch {m['batch']}): "
+                  f"rel. err vs one by one {m['rel_err_multi_vs_one_by_one']:.1e}"]
+        if timed:
+            lines[-1] += (f"; base {m['ms_base']:.4f} ms, with adapters {m['ms_multi']:.4f} ms "
+                          f"(+{m['overhead_vs_base']:.0%}), one by one {m['ms_one_by_one']:.4f} ms")
+    for key in ("decode", "checkpoint_decode"):
+        d = result.get(key)
+        if not d:
+            continue
+        what = f"{d['config']}, compressed in {d['compress_s']:.0f} s" if "config" in d else d["checkpoint"]
+        lines += ["", f"greedy decode ({what}, bpw {d['measured_bpw']}): "
+                  f"{d['kernel_layers']} linear layers on the kernel; prompt logits fused vs reference rel. err "
+                  f"{d['prompt_logits_rel_err']:.1e}; greedy tokens agree on {d['greedy_tokens_match']:.0%} of {d['new_tokens']}"]
+        if timed:
+            lines[-1] += f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}"
+            if "tok_s_fp16" in d:
+                lines[-1] += f", fp16 {d['tok_s_fp16']:.1f}"
+    return "\n".join(lines)
+
+
+def _layer_table(result: dict, timed: bool) -> list[str]:
+    lines = []
+    if timed:
+        lines += [f"device-to-device copy: {result['copy_GBps']:.0f} GB/s", ""]
+    head = "| shape | format | batch | path on CUDA | rel. err vs reference |"
+    if timed:
+        head += " fused ms | fp16 ms | dequant+matmul ms | speed-up vs fp16 | fused BW / copy | fp16 BW / copy |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in result["layers"]:
+        line = f"| {r['shape']} | {r['format']} | {r['batch']} | {r['path']} | {r['rel_err_vs_reference']:.1e} |"
+        if timed:
+            line += (f" {r['ms_fused']:.4f} | {r['ms_fp16']:.4f} | {r['ms_dequant_matmul']:.4f} | "
+                     f"{r['speedup_vs_fp16']:.2f}x | {r['bw_frac_fused']:.0%} | {r['bw_frac_fp16']:.0%} |")
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--interpret", action="store_true", help="run the kernels in triton's interpreter (CPU)")
+    ap.add_argument("--parts", default="layers,adapters,decode",
+                    help="comma-separated subset of layers,adapters,decode (on a GPU each fits a 10-minute slot; "
+                         "decode compresses a 1B model on the CPU first, a few minutes on 16 cores)")
+    ap.add_argument("--checkpoint", help="also decode this qrecover checkpoint (e.g. the default model's), fused vs reference")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    args = ap.parse_args()
+    if args.device == "cpu" and not args.interpret:
+        ap.error("on CPU the kernels only run in triton's interpreter: pass --interpret (correctness only)")
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # read by @triton.jit when qrecover.kernels.qmatmul is first imported
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"layers", "adapters", "decode"}:
+        ap.error(f"--parts {args.parts!r}: choose from layers,adapters,decode")
+    timed = args.device == "cuda" and not args.interpret
+    torch.manual_seed(0)
+    result = {"environment": environment(args.device), "timed": timed, "parts": sorted(parts)}
+    checks = []
+    if "layers" in parts:
+        if timed:
+            result["copy_GBps"] = copy_bandwidth(args.device) / 1e9
+        result["layers"] = bench_layers(args.device, GPU_SHAPES if timed else TOY_SHAPES, timed,
+                                        result["copy_GBps"] * 1e9 if timed else None)
+        checks.append(max(r["rel_err_vs_reference"] for r in result["layers"]) < (2e-3 if timed else 1e-5))
+    if "adapters" in parts:
+        result["multi_adapter"] = bench_multi_adapter(args.device, (4096, 4096) if timed else (96, 128), timed)
+        checks.append(result["multi_adapter"]["rel_err_multi_vs_one_by_one"] < 1e-2)
+    if "decode" in parts:
+        result["decode"] = bench_decode(args.device, LLAMA_1B if timed else LLAMA_TOY, timed, 64 if timed else 8)
+        checks.append(result["decode"]["prompt_logits_rel_err"] < (2e-2 if timed else 1e-5))
+    if args.checkpoint:
+        result["checkpoint_decode"] = decode_checkpoint(Path(args.checkpoint), args.device, timed, 64 if timed else 8)
+        checks.append(result["checkpoint_decode"]["prompt_logits_rel_err"] < (2e-2 if timed else 1e-5))
+    result["correct"] = all(checks)
+    print(markdown(result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if parts == {"layers", "adapters", "decode"} else "-" + "-".join(sorted(parts))
+    path = write_text_atomic(out / f"kernels-{args.device}{suffix}.json", json.dumps(result, indent=2))
+    print(f"\nwrote {path}; every fused result {'matches' if result['correct'] else 'DOES NOT match'} the reference")
+    sys.exit(0 if result["correct"] else 1)
+
+
+if __name__ == "__main__":
+    main()

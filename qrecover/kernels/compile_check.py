@@ -1,0 +1,103 @@
+"""Compile the kernels for an NVIDIA architecture without a GPU, and report their registers and spills.
+
+The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute, not whether they compile:
+it accepts constructs the GPU compiler rejects and says nothing about register pressure. Triton ships its
+compiler and ``ptxas``, so this compiles each kernel variant to a cubin for ``--arch`` (90 = H100/H200)
+on any machine, and reads the resource usage with the bundled ``cuobjdump``:
+
+    python -m qrecover.kernels.compile_check            # a representative set, sm_90
+    python -m qrecover.kernels.compile_check --all      # every format x bits x path x dtype
+    python -m qrecover.kernels.compile_check --smoke    # two variants and the small kernels (the test suite)
+
+Run it without ``TRITON_INTERPRET`` set (the kernels must be compiled functions, not interpreted ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import lora_kernels, qmatmul
+
+_INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], target: GPUTarget, **options):
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    names = list(sig)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=target, options=options)
+
+
+def resources(kernel) -> dict[str, int]:
+    """``{"REG": registers per thread, "STACK": spill stack bytes, "SHARED": static shared bytes, ...}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                             check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+def qmm_variants(level: str):
+    """``(label, signature, constexprs, options)`` for the dequant-matmul kernel; level: smoke, default or all."""
+    dtypes = [("fp16", False), ("bf16", False), ("fp32", True)] if level == "all" else [("fp16", False)]
+    formats = [(0, b, False) for b in (2, 3, 4, 8)] + [(1, b, zp) for b in (2, 3, 4, 8) for zp in (False, True)]
+    if level != "all":
+        formats = [(0, 3, False), (0, 4, False), (1, 4, False), (1, 3, True)]
+    paths = [(False, False, 1, 32, 128, 4, 2), (False, True, 16, 64, 64, 4, 2), (True, True, 64, 128, 64, 8, 3)]
+    combos = [(d, f, p) for d in dtypes for f in formats for p in paths]
+    if level == "smoke":  # one GEMV and one tiled variant, the 3-bit straddling decode in both
+        combos = [(dtypes[0], formats[0], paths[0]), (dtypes[0], formats[3], paths[2])]
+    for (dt, ieee), (scheme, bits, zp), (direct, dot, bm, bn, bk, warps, stages) in combos:
+        sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": "*fp16", "scale_ptr": "*fp16", "zp_ptr": "*u8",
+               "bias_ptr": f"*{dt}", "out_ptr": f"*{dt}" if direct else "*fp32", **{k: "i32" for k in _INTS}}
+        const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
+                     HAS_ZP=zp, HAS_BIAS=True, DIRECT=direct, USE_DOT=dot, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        label = (f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''} {dt} "
+                 f"{'tiled' if bm > 16 else 'gemv'} {bm}x{bn}x{bk} w{warps}")
+        yield label, sig, const, dict(num_warps=warps, num_stages=stages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (80 = A100, 90 = H100/H200)")
+    ap.add_argument("--all", action="store_true", help="every format, bit width and activation dtype")
+    ap.add_argument("--smoke", action="store_true", help="two dequant-matmul variants and the small kernels (tests)")
+    args = ap.parse_args(argv)
+    if qmatmul.interpreting():
+        print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it to compile", file=sys.stderr)
+        return 2
+    target = GPUTarget("cuda", args.arch, 32)
+    print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
+    for label, sig, const, opts in qmm_variants("all" if args.all else "smoke" if args.smoke else "default"):
+        r = resources(_compile(qmatmul._qmm_kernel, sig, const, target, **opts))
+        print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
+    others = [
+        ("split-K reduce", qmatmul._splitk_reduce,
+         {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "total": "i32", "N": "i32", "stride_os": "i32"},
+         dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024)),
+        ("lora shrink r16", lora_kernels._shrink_kernel,
+         {"x_ptr": "*fp16", "a_ptr": "*fp16", "idx_ptr": "*i64", "t_ptr": "*fp32", **{k: "i32" for k in (
+             "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(R_PAD=16, BLOCK_K=256)),
+        ("lora expand r16", lora_kernels._expand_kernel,
+         {"t_ptr": "*fp32", "b_ptr": "*fp16", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
+          **{k: "i32" for k in ("N", "R", "stride_bn", "stride_bo", "stride_ym")}}, dict(R_PAD=16, BLOCK_N=128)),
+    ]
+    for label, fn, sig, const in others:
+        r = resources(_compile(fn, sig, const, target))
+        print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""What the fused kernels need to know about a packed weight, and one launch configuration (no triton here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PALETTIZE, BLOCKWISE = 0, 1
+
+
+@dataclass(frozen=True)
+class Format:
+    """What a kernel needs to know about a packed weight ``(out_f, in_f)``.
+
+    ``group``: rows per table (palettize; 1 for blockwise). ``cblock``: input columns per table / scale
+    (``C`` or ``B``; ``in_f`` for whole-row tables and per-channel scales). ``has_zp``: asymmetric blockwise.
+    """
+
+    scheme: int
+    bits: int
+    out_f: int
+    in_f: int
+    group: int
+    cblock: int
+    has_zp: bool
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration. ``use_dot``: tensor-core product (else broadcast multiply-and-sum)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 2

@@ -1,0 +1,310 @@
+"""Fused dequantize-matmul Triton kernels for the packed formats ``qrecover compress`` writes.
+
+``y (M, O) = x (M, I) @ W^T + bias`` where ``W (O, I)`` is never materialised: each program decodes its
+tile of codes straight from the packed buffers and multiplies it in registers.
+
+Layout read (no repack, no extra memory). ``qdata`` is the flat little-endian bit stream of
+:mod:`qrecover.packing`: code ``k = row * I + col`` occupies stream bits ``[k*bits, (k+1)*bits)``. With
+``I % 32 == 0`` every row starts on a 32-bit word boundary, so the kernel reads ``qdata.view(int32)``
+(a zero-copy view of the stored bytes; little-endian words keep the stream's bit order). Each word is
+loaded once, contiguously along the row, and expanded in registers: 2/4/8-bit codes never straddle a
+word (``32 / bits`` codes each); 3-bit codes come in groups of 32 codes per 3 words, codes 10 and 21 of
+a group straddling two words, combined with a shift and an or. Layers with ``I % 32 != 0`` go to the
+reference path (see :func:`qrecover.kernels.select`).
+
+Formats (shapes as the schemes document them, ``G = group_size``, ``C = block_size or I``):
+
+- palettize: ``lut`` fp16 ``(O/G * I/C, 2**bits)``; weight = ``lut[(row // G) * (I/C) + col // C, code]``.
+  Every K-tile lies inside one column block (``BLOCK_K`` divides ``C``), so each row of the tile has one
+  table: for 2/3/4 bits the tile's tables ``(BLOCK_N, 2**bits)`` are loaded into registers and looked up
+  with ``tl.gather`` (lowered to warp shuffles on NVIDIA; no memory access per weight); 8-bit tables
+  (256 entries) are gathered through L1.
+- blockwise: ``scale`` fp16 ``(O, I/B)``; ``zero_point`` bit-packed ``(O * I/B)`` codes (asymmetric) or
+  the constant ``2**(bits-1)`` (symmetric); weight = ``(code - zero_point) * scale``.
+
+Two paths share one kernel body (``USE_DOT`` is a compile-time switch):
+
+- GEMV (``M <= 16``): small ``BLOCK_M``, split-K over the input dimension (``SPLIT_K`` programs per output
+  tile write fp32 partial sums to a workspace, one small kernel adds them, the bias, and casts); for
+  ``M <= 4`` the product is a broadcast multiply-and-sum, for ``8 <= M <= 16`` a ``tl.dot`` on a 16-row tile.
+- tiled (``M > 16``): ``tl.dot`` tiles of ``BLOCK_M x BLOCK_N``, weights cast to the activation dtype
+  (fp16/bf16 tensor cores; fp32 activations use ``input_precision="ieee"``, as torch does by default).
+
+Block sizes are tuned per (format, shape, batch bucket, dtype) on first use with ``triton.testing.do_bench``
+over a small config list and cached in :data:`_TUNED` (not ``triton.autotune``: the split-K workspace and its
+reduction depend on the chosen config, which ``autotune`` hides from the caller). Under the interpreter
+(``TRITON_INTERPRET=1``) the first valid config is used without timing.
+
+Numerics match the reference ``F.linear(x, layer.dequantize(x.dtype))``: the weight is decoded in fp32
+(exact for fp16 tables and fp16 scale times small integers) and rounded to the activation dtype before a
+tensor-core ``tl.dot``; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+from triton.runtime.interpreter import InterpretedFunction
+
+from .formats import Config, Format
+
+# ------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _codes(qw_ptr, row_word, k0, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Codes ``(BN, BLOCK_K)`` int32 of columns ``k0 .. k0 + BLOCK_K``; ``row_word (BN,)`` int64 first word of each row.
+
+    Each 32-bit word is loaded once (contiguous along the row, so loads vectorise) and expanded in registers:
+    2/4/8 bits: ``32 / bits`` codes per word; 3 bits: 32 codes per 3 words, codes 10 and 21 straddling two.
+    """
+    if BITS == 3:
+        n_grp: tl.constexpr = BLOCK_K // 32
+        base = qw_ptr + row_word[:, None] + ((k0 // 32) * 3 + tl.arange(0, n_grp) * 3)[None, :]  # (BN, n_grp)
+        w0 = tl.load(base).to(tl.uint32, bitcast=True)[:, :, None]
+        w1 = tl.load(base + 1).to(tl.uint32, bitcast=True)[:, :, None]
+        w2 = tl.load(base + 2).to(tl.uint32, bitcast=True)[:, :, None]
+        bit = tl.arange(0, 32) * 3
+        wi = (bit >> 5)[None, None, :]
+        shift = (bit & 31).to(tl.uint32)[None, None, :]
+        lo = tl.where(wi == 0, w0, tl.where(wi == 1, w1, w2)) >> shift
+        hi = tl.where(wi == 0, w1, w2) << ((32 - shift) & 31)
+        code = tl.where(shift > 29, lo | hi, lo)
+    else:
+        CPW: tl.constexpr = 32 // BITS
+        n_words: tl.constexpr = BLOCK_K // CPW
+        words = tl.load(qw_ptr + row_word[:, None] + (k0 // CPW + tl.arange(0, n_words))[None, :])
+        shift = (tl.arange(0, CPW) * BITS).to(tl.uint32)[None, None, :]
+        code = words.to(tl.uint32, bitcast=True)[:, :, None] >> shift
+    code = (code & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.reshape(code, (code.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _packed_vec(ptr, idx, nbytes, BITS: tl.constexpr):
+    """Codes at positions ``idx`` (int64 vector) of a byte-addressed bit stream of ``nbytes`` bytes."""
+    bit = idx * BITS
+    byte = bit >> 3
+    lo = tl.load(ptr + byte).to(tl.int32)
+    hi = tl.load(ptr + byte + 1, mask=byte + 1 < nbytes, other=0).to(tl.int32)
+    return (((hi << 8) | lo) >> (bit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _weight_tile(qw_ptr, lut_ptr, scale_ptr, zp_ptr, rows, k0, K, n_cblocks, zp_nbytes,
+                 SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CBLOCK: tl.constexpr,
+                 HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dequantized fp32 tile ``(BN, BLOCK_K)`` of rows ``rows`` and columns ``k0 .. k0 + BLOCK_K``."""
+    rows64 = rows.to(tl.int64)
+    code = _codes(qw_ptr, rows64 * (K * BITS // 32), k0, BITS, BLOCK_K)
+    cb = k0 // CBLOCK  # the one column block this tile lies in
+    if SCHEME == 0:
+        table = (rows64 // GROUP) * n_cblocks + cb
+        if BITS <= 4:  # the rows' tables in registers (BN, 2**bits), looked up with an in-register gather
+            entries = tl.load(lut_ptr + (table * (1 << BITS))[:, None] + tl.arange(0, 1 << BITS)[None, :])
+            w = tl.gather(entries.to(tl.float32), code, axis=1)
+        else:  # 256-entry tables: a gather through L1
+            w = tl.load(lut_ptr + (table * (1 << BITS))[:, None] + code).to(tl.float32)
+    else:
+        blk = rows64 * n_cblocks + cb
+        scale = tl.load(scale_ptr + blk).to(tl.float32)
+        if HAS_ZP:
+            zp = _packed_vec(zp_ptr, blk, zp_nbytes, BITS).to(tl.float32)
+        else:
+            zp = tl.zeros_like(scale) + (1 << (BITS - 1))
+        w = (code.to(tl.float32) - zp[:, None]) * scale[:, None]
+    return w
+
+
+@triton.jit
+def _qmm_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr,
+                M, N, K, n_cblocks, zp_nbytes, k_split, stride_xm, stride_om, stride_os,
+                SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, CBLOCK: tl.constexpr,
+                HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, USE_DOT: tl.constexpr,
+                IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(n, m, s)``: output tile ``(BLOCK_M, BLOCK_N)`` over input columns ``[s*k_split, (s+1)*k_split)``.
+
+    ``DIRECT``: write ``acc + bias`` in the output dtype; else fp32 partial sums to ``out_ptr[s]`` (split-K).
+    Rows past ``N`` / ``M`` are clamped for loads (valid memory, no masks) and masked at the store.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, N - 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ms_c = tl.minimum(ms, M - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = _weight_tile(qw_ptr, lut_ptr, scale_ptr, zp_ptr, rows_c, k0, K, n_cblocks, zp_nbytes,
+                         SCHEME, BITS, GROUP, CBLOCK, HAS_ZP, BLOCK_K)
+        x = tl.load(x_ptr + ms_c[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(x.dtype).to(tl.float32)[None, :, :], axis=2)
+    mask = (ms < M)[:, None] & (rows < N)[None, :]
+    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_c).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce(ws_ptr, bias_ptr, out_ptr, total, N, stride_os,
+                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out (M, N) = sum_s ws[s] (+ bias)`` in the output dtype; ``ws (SPLIT_K, M, N)`` fp32 contiguous."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * stride_os + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def interpreting() -> bool:
+    """True when these kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module
+    was imported: ``@triton.jit`` reads it at decoration time)."""
+    return isinstance(_qmm_kernel, InterpretedFunction)
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+
+def _pow2_at_least(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
+    """The small config list for this format and batch, best guess first (used alone under the interpreter).
+
+    ``fp32``: fp32 activations, whose full-precision ``tl.dot`` has no tensor cores and needs small tiles
+    (sm_90 compile: 16x64x32 and 32x64x32 fit in registers, 64x64x32 and 64x128x64 spill).
+    """
+    ks = [bk for bk in (128, 64, 256, 32) if fmt.cblock % bk == 0]
+    if fp32 and m > 4:
+        tiles = ((16, 32), (16, 64)) if m <= 16 else ((32, 64), (16, 64), (32, 32))
+        return [Config(bm, bn, 32, s, True) for bm, bn in tiles for s in ((4, 1, 2) if m <= 16 else (1, 2))]
+    if m <= 16:  # GEMV path
+        if m <= 4:
+            bm = _pow2_at_least(m)
+            shapes = [(bm, bn, bk, False) for bn, bk in ((32, 128), (64, 64), (16, 256), (64, 128), (128, 64))
+                      if bk in ks and bm * bn * bk <= 16384]
+        else:
+            shapes = [(16, bn, bk, True) for bn, bk in ((32, 128), (64, 64), (64, 128), (32, 64)) if bk in ks]
+        shapes = shapes or [(_pow2_at_least(min(m, 4)) if m <= 4 else 16, 32, ks[-1], m > 4)]
+        out = [Config(bm, bn, bk, s, dot) for bm, bn, bk, dot in shapes for s in (4, 1, 2, 8)]
+    else:  # tiled tl.dot path
+        out = []
+        for bm in (16, 32, 64, 128):
+            if bm > 2 * _pow2_at_least(m) or (bm < 64 and m >= 128):
+                continue
+            for bn, bk, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 4, 4)):
+                if bk in ks:
+                    out += [Config(bm, bn, bk, s, True, warps, stages) for s in (1, 2)]
+        out = out or [Config(16, 64, ks[-1], 1, True)]
+    return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
+
+
+_TUNED: dict[tuple, Config] = {}
+
+
+def _bucket(m: int) -> int:
+    return _pow2_at_least(m) if m <= 256 else 256
+
+
+# ------------------------------------------------------------------------------------------- launch
+
+
+def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
+            cfg: Config) -> torch.Tensor:
+    m, k = x.shape
+    n = fmt.out_f
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    qdata = tensors["qdata"]
+    if qdata.storage_offset() % 4 or not qdata.is_contiguous():  # a view into a larger buffer: words need alignment
+        qdata = qdata.contiguous().clone()
+    qw = qdata.view(torch.int32)
+    dummy = qw
+    lut = tensors.get("lut", dummy)
+    scale = tensors.get("scale", dummy)
+    zp = tensors.get("zero_point", dummy)
+    zp_nbytes = zp.numel() if fmt.has_zp else 0
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_split)
+    direct = split == 1
+    target = out if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    _qmm_kernel[grid](
+        x, qw, lut, scale, zp, bias if bias is not None else dummy, target,
+        m, n, k, k // fmt.cblock, zp_nbytes, k_split, x.stride(0), n, m * n,
+        SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
+        HAS_BIAS=bias is not None, DIRECT=direct, USE_DOT=cfg.use_dot, IEEE=_ieee_dot(x.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        block = 1024
+        _splitk_reduce[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else dummy, out, m * n, n, m * n,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
+        )
+    return out
+
+
+def _ieee_dot(dtype: torch.dtype) -> bool:
+    """fp32 activations multiply in full fp32 (no TF32, as torch's default). bf16 too under the interpreter, whose
+    ``tl.dot`` mis-reads bf16 operands (measured: relative error 1e10); the weight is rounded to bf16 first, so
+    the product is the same as a bf16 tensor-core dot with fp32 accumulation."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+
+
+def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None) -> Config:
+    key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
+    if key in _TUNED:
+        return _TUNED[key]
+    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
+    if interpreting() or x.device.type != "cuda" or len(configs) == 1:
+        best = configs[0]
+    else:
+        timings = {}
+        for cfg in configs:
+            try:
+                timings[cfg] = triton.testing.do_bench(lambda: _launch(x, fmt, tensors, bias, cfg), warmup=5, rep=20)
+            except OutOfResources:
+                continue
+        best = min(timings, key=timings.get)
+    _TUNED[key] = best
+    return best
+
+
+def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
+                 config: Config | None = None) -> torch.Tensor:
+    """``x (M, I) @ W^T + bias -> (M, O)`` in ``x.dtype``, ``W`` decoded from ``tensors`` (the layer's buffers).
+
+    ``config``: force one launch configuration (tests); default: tuned per shape and cached.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    if x.is_cuda and x.device.index != torch.cuda.current_device():  # triton launches on the current device
+        with torch.cuda.device(x.device):
+            return quant_matmul(x, fmt, tensors, bias, config)
+    cfg = config or _tune(x, fmt, tensors, bias)
+    if fmt.cblock % cfg.block_k or (cfg.use_dot and cfg.block_m < 16):
+        raise ValueError(f"{cfg=} is invalid for {fmt=}: block_k must divide cblock (a K-tile lies in one column "
+                         "block) and a tl.dot tile needs block_m >= 16")
+    return _launch(x, fmt, tensors, bias, cfg)

@@ -1,0 +1,370 @@
+"""Fused dequant-matmul and multi-adapter LoRA kernels (qrecover.kernels) against float64 references.
+
+Without a GPU the Triton kernels run on CPU under triton's interpreter: the module fixture sets
+``TRITON_INTERPRET=1`` before the kernel modules are imported (``@triton.jit`` reads it at decoration time)
+and restores the environment afterwards. With a GPU the same tests run the compiled kernels on CUDA.
+Every packed format ``qrecover compress`` writes is checked (palettize 2/3/4 with whole-row and per-block
+tables, and 8, blockwise 2/3/4/8 symmetric/asymmetric, blocks 32/64/per-channel), at batch 1 (GEMV) and > 16
+(tiled), with odd output counts that do not fill the last tile. The dispatch decision (``select``) is
+pure and tested without triton. GPU-only tests are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qrecover import kernels
+from qrecover.errors import QRecoverError
+from qrecover.kernels import KernelChoice, layer_format, reference, select
+from qrecover.kernels.formats import Config
+from qrecover.kernels.lora import MultiAdapterLinear, add_lora, lora_delta_reference, stack_adapters
+from qrecover.packing import unpack
+from qrecover.qlinear import QuantLinear
+from qrecover.schemes import get_quantizer
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(
+    not kernels.triton_available(),
+    reason="triton is not installed: pip install 'qrecover[kernels]' (the kernel tests run on CPU under TRITON_INTERPRET=1)",
+)
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """The kernel modules, built for the interpreter when there is no GPU; the environment is restored after."""
+    if not kernels.triton_available():
+        pytest.skip("triton is not installed: pip install 'qrecover[kernels]'")
+    old = os.environ.get("TRITON_INTERPRET")
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    for name in ("qrecover.kernels.qmatmul", "qrecover.kernels.lora_kernels"):
+        if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
+            importlib.reload(sys.modules[name])
+    qmatmul = importlib.import_module("qrecover.kernels.qmatmul")
+    assert qmatmul.interpreting() == (not CUDA)
+    yield qmatmul
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def make_layer(scheme: str, bits: int, out_f: int, in_f: int, bias: bool = True, seed: int = 0, **params) -> QuantLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g)
+    qw = get_quantizer(scheme, **params).quantize(w, bits, {})
+    return QuantLinear(qw, bias=torch.randn(out_f, generator=g) if bias else None).to(DEV)
+
+
+def ref64(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    y = x.double() @ layer.dequantize(torch.float64).T
+    return y + layer.bias.double() if layer.bias is not None else y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+FORMATS = (
+    [("palettize", b, dict(block_size=c)) for b in (2, 3, 4) for c in (None, 32)]
+    + [("palettize", 8, dict(block_size=64))]  # 256-entry tables: gathered through L1, not registers
+    + [("blockwise", b, dict(block_size=c, symmetric=s)) for b in (2, 3, 4, 8) for c in (32, 64, None) for s in (True, False)]
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("scheme,bits,params", FORMATS, ids=lambda v: str(v))
+def test_every_format_matches_float64(interp, scheme, bits, params):
+    out_f = 48 if scheme == "palettize" else 40  # 40, 48: the last 32/64-row tile is partial
+    layer = make_layer(scheme, bits, out_f, 128, bias=bits != 3, **params)
+    for batch in (1, 20):  # GEMV (broadcast product) and tiled tl.dot
+        x = torch.randn(batch, 128, device=DEV)
+        y = kernels.fused_linear(layer, x)
+        assert y.shape == (batch, out_f) and y.dtype == torch.float32
+        assert rel_err(y, ref64(layer, x)) < 1e-5, (scheme, bits, params, batch)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("scheme,bits,params", [("palettize", 3, dict(block_size=32)), ("blockwise", 4, dict(block_size=32, symmetric=False))])
+def test_half_activations(interp, dtype, tol, scheme, bits, params):
+    layer = make_layer(scheme, bits, 48, 96, **params)
+    for batch in (1, 7, 33):  # broadcast GEMV, tl.dot GEMV on a 16-row tile, tiled
+        x = torch.randn(batch, 96, device=DEV).to(dtype)
+        y = kernels.fused_linear(layer, x)
+        assert y.dtype == dtype
+        ref = ref64(layer, x)
+        assert rel_err(y, ref) < tol
+        # as close to float64 as the reference path in the same dtype is
+        assert rel_err(y, ref) < 3 * rel_err(reference.linear(layer, x), ref) + 1e-3
+
+
+@needs_triton
+def test_3bit_codes_decode_exactly_across_word_boundaries(interp):
+    """Identity tables (lut[k] = k) and one-hot inputs read back every code: 3-bit codes 10 and 21 of each 32
+    straddle 32-bit words."""
+    layer = make_layer("palettize", 3, 16, 64, bias=False)
+    layer.lut.copy_(torch.arange(8, dtype=torch.float16).expand_as(layer.lut))
+    codes = unpack(layer.qdata.cpu(), 3, 16 * 64).view(16, 64).float()
+    for cols in (range(0, 32), range(32, 64)):
+        x = torch.eye(64, device=DEV)[list(cols)]
+        y = kernels.fused_linear(layer, x)
+        assert torch.equal(y.cpu(), codes[:, list(cols)].T)
+
+
+@needs_triton
+@pytest.mark.parametrize("cfg", [Config(1, 16, 32, 2, False), Config(2, 32, 32, 4, False), Config(16, 32, 32, 3, True),
+                                 Config(32, 64, 32, 2, True)])
+def test_split_k_configs_with_bias(interp, cfg):
+    """Split-K writes fp32 partial sums and a second kernel adds them and the bias; uneven splits included."""
+    layer = make_layer("blockwise", 3, 40, 160, block_size=32, symmetric=False)
+    x = torch.randn(3, 160, device=DEV)
+    assert rel_err(kernels.fused_linear(layer, x, config=cfg), ref64(layer, x)) < 1e-5
+
+
+@needs_triton
+def test_config_that_crosses_column_blocks_is_refused(interp):
+    layer = make_layer("blockwise", 3, 40, 160, block_size=32)
+    with pytest.raises(ValueError, match="block_k must divide cblock"):
+        kernels.fused_linear(layer, torch.randn(3, 160, device=DEV), config=Config(2, 32, 64, 4, False))
+
+
+@needs_triton
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 16, 17, 64, 300])
+def test_candidate_configs_are_valid(interp, batch):
+    for cblock in (32, 64, 96, 4096):
+        fmt = layer_format(make_layer("blockwise", 4, 8, cblock, block_size=None))
+        for fp32 in (False, True):
+            configs = interp.candidate_configs(fmt, batch, fp32)
+            assert configs
+            for c in configs:
+                assert cblock % c.block_k == 0 and (c.block_m >= 16 or not c.use_dot)
+                assert (c.block_m <= 16) == (batch <= 16) or c.block_m == 16  # GEMV tiles for decoding batches
+                assert c.use_dot == (batch > 4)
+                assert not (fp32 and c.use_dot) or c.block_m * c.block_n * c.block_k <= 32 * 64 * 32
+
+
+@needs_triton
+def test_leading_dims_and_strided_input(interp):
+    layer = make_layer("palettize", 4, 32, 64)
+    x = torch.randn(2, 3, 128, device=DEV)[..., ::2]  # (2, 3, 64), stride 2 along features
+    y = kernels.fused_linear(layer, x)
+    assert y.shape == (2, 3, 32)
+    assert rel_err(y.reshape(6, 32), ref64(layer, x.reshape(6, 64))) < 1e-5
+
+
+def test_fused_linear_refuses_unsupported_layer():
+    layer = make_layer("blockwise", 4, 8, 48, block_size=None)  # 48 is not a multiple of 32
+    with pytest.raises(QRecoverError, match="in_features=48"):
+        kernels.fused_linear(layer, torch.randn(1, 48, device=DEV))
+
+
+@needs_triton
+def test_kernels_compile_for_h100_without_a_gpu():
+    """The interpreter checks values, not compilation: compile for sm_90 with triton's own ptxas (no GPU needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    r = subprocess.run([sys.executable, "-m", "qrecover.kernels.compile_check", "--smoke"], capture_output=True,
+                       text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "registers" not in line]
+    assert len(rows) == 5 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout
+
+
+# --- dispatch: a pure decision, no triton needed ---------------------------------------------------------
+
+
+def test_select_decisions(monkeypatch, caplog):
+    layer = make_layer("palettize", 3, 32, 64)
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.delenv("QRECOVER_KERNELS", raising=False)
+    assert select(layer, "cpu", 1) == KernelChoice("reference", "device cpu (fused kernels run on CUDA)")
+    assert select(layer, "cuda", 1).name == "gemv"
+    assert select(layer, "cuda", 16).name == "gemv"
+    assert select(layer, "cuda", 17).name == "tiled"
+    monkeypatch.setenv("QRECOVER_KERNELS", "0")
+    assert select(layer, "cuda", 1) == KernelChoice("reference", "QRECOVER_KERNELS=0")
+    monkeypatch.setenv("QRECOVER_KERNELS", "1")
+    assert "in_features=48" in select(make_layer("blockwise", 4, 8, 48, block_size=None), "cuda", 1).reason
+    six = select(make_layer("palettize", 6, 16, 64), "cuda", 1)
+    assert six.name == "reference" and "bits=6" in six.reason
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    assert "pip install 'qrecover[kernels]'" in select(layer, "cuda", 1).reason
+    # each decision is logged once
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="qrecover.kernels"):
+        for _ in range(3):
+            select(layer, "cuda", 2)
+        select(layer, "cuda", 40)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "qrecover.kernels"]
+    assert len(msgs) == 2 and "gemv" in msgs[0] and "tiled" in msgs[1]
+
+
+def test_layer_format_reads_the_stored_geometry():
+    fmt = layer_format(make_layer("palettize", 4, 32, 128, group_size=16, block_size=64))
+    assert (fmt.bits, fmt.out_f, fmt.in_f, fmt.group, fmt.cblock, fmt.has_zp) == (4, 32, 128, 16, 64, False)
+    fmt = layer_format(make_layer("blockwise", 2, 8, 96, block_size=None, symmetric=False))
+    assert (fmt.group, fmt.cblock, fmt.has_zp) == (1, 96, True)
+
+
+def test_cpu_forward_is_the_reference_path_bit_for_bit():
+    layer = make_layer("palettize", 3, 32, 64).cpu()
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantize(x.dtype), layer.bias))
+    assert torch.equal(kernels.linear(layer, x), layer(x))  # CPU: select falls back to the reference
+
+
+# --- multi-adapter LoRA ---------------------------------------------------------------------------------
+
+
+def _adapters(in_f: int, out_f: int, ranks: tuple[int, ...], seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(r, in_f, generator=g) / in_f**0.5, torch.randn(out_f, r, generator=g), 0.5 + i)
+            for i, r in enumerate(ranks)]
+
+
+def _one_by_one64(x, adapters, index):
+    """Each token through its own adapter, PEFT's formula ``s * B (A x)``, in float64."""
+    out = torch.zeros(x.shape[0], adapters[0][1].shape[0], dtype=torch.float64)
+    for m, a in enumerate(index.tolist()):
+        if a >= 0:
+            A, B, s = adapters[a]
+            out[m] = s * (B.double() @ (A.double() @ x[m].double().cpu()))
+    return out
+
+
+def test_stack_adapters_pads_ranks():
+    lora_a, lora_b, scaling = stack_adapters(_adapters(64, 24, (4, 8)))
+    assert lora_a.shape == (2, 8, 64) and lora_b.shape == (2, 24, 8) and scaling.tolist() == [0.5, 1.5]
+    assert not lora_a[0, 4:].any() and not lora_b[0, :, 4:].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_multi_adapter_kernels_match_one_by_one(interp, dtype, tol):
+    adapters = _adapters(96, 40, (8, 4, 16))
+    lora_a, lora_b, scaling = stack_adapters(adapters)
+    index = torch.tensor([2, -1, 0, 1, 2, 2, -1, 0, 1, 1, 0, 2, -1, 2, 0, 1, 1, 2, 0])  # 19 tokens, 3 adapters and none
+    x = torch.randn(19, 96)
+    y0 = torch.randn(19, 40)
+    ref = y0.double() + _one_by_one64(x.to(dtype), adapters, index)
+    dev = lambda t: t.to(DEV)  # noqa: E731 (a short local helper)
+    out = add_lora(dev(y0.to(dtype)), dev(x.to(dtype)), dev(lora_a.to(dtype)), dev(lora_b.to(dtype)), dev(scaling),
+                   dev(index), use_kernels=True)
+    assert out.dtype == dtype
+    assert rel_err(out.cpu(), ref) < tol
+    assert torch.equal(out[index == -1].cpu(), y0.to(dtype)[index == -1])  # no adapter: the base output untouched
+    # the torch reference (one by one over the distinct adapters) agrees too
+    assert rel_err(y0 + lora_delta_reference(x, lora_a, lora_b, scaling, index), y0.double() + _one_by_one64(x, adapters, index)) < 1e-5
+
+
+@needs_triton
+def test_multi_adapter_linear_on_a_quantized_base(interp):
+    base = make_layer("palettize", 3, 48, 64)
+    adapters = _adapters(64, 48, (16, 16))
+    layer = MultiAdapterLinear.from_adapters(base, adapters).to(DEV)
+    x = torch.randn(2, 5, 64, device=DEV)
+    index = torch.tensor([0, 1, -1, 1, 0, 0, -1, -1, 1, 0])
+    ref = ref64(base, x.reshape(10, 64)).cpu() + _one_by_one64(x.reshape(10, 64), adapters, index)
+    for use_kernels in (False, True):
+        y = layer(x, index, use_kernels=use_kernels)
+        assert y.shape == (2, 5, 48)
+        assert rel_err(y.reshape(10, 48).cpu(), ref) < 1e-5
+
+
+def test_multi_adapter_shape_errors():
+    base = make_layer("palettize", 3, 48, 64).cpu()
+    layer = MultiAdapterLinear.from_adapters(base, _adapters(64, 48, (4,)))
+    with pytest.raises(QRecoverError, match="one adapter \\(or -1\\) per token"):
+        layer(torch.randn(3, 64), torch.tensor([0, 0]))
+
+
+def _peft_adapter(ckpt, out, rank: int, targets: list[str], seed: int):
+    """A PEFT adapter on the loaded checkpoint with random (non-zero) A and B, saved in PEFT's format."""
+    from peft import LoraConfig, get_peft_model
+
+    from qrecover.api import load
+
+    model = get_peft_model(load(ckpt), LoraConfig(r=rank, lora_alpha=2.0 * rank + seed, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
+    """Three sequences through one model, each with its own adapter (or none), match PEFT run adapter by adapter."""
+    from peft import PeftModel
+
+    from qrecover.api import load
+    from qrecover.kernels.lora import attach_adapters
+
+    dirs = [_peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "v_proj"], 0),
+            _peft_adapter(tiny_ckpt, tmp_path / "a1", 2, ["q_proj", "down_proj"], 1)]
+    ids = torch.randint(0, 1000, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = load(tiny_ckpt)(input_ids=ids).logits
+        expected = [PeftModel.from_pretrained(load(tiny_ckpt), str(dirs[i])).eval()(input_ids=ids[i:i + 1]).logits[0]
+                    for i in range(2)] + [base[2]]
+        model = load(tiny_ckpt)
+        set_index = attach_adapters(model, dirs)
+        set_index(torch.tensor([0, 1, -1]))
+        got = model(input_ids=ids).logits
+    for i in range(3):
+        assert rel_err(got[i], expected[i].double()) < 1e-5, i
+    for i in range(2):  # the adapters do change the output
+        assert rel_err(expected[i], base[i].double()) > 1e-3, i
+
+
+# --- real device ----------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_cuda_forward_uses_the_fused_kernel(monkeypatch):
+    layer = make_layer("palettize", 3, 256, 512)
+    calls = []
+    real = kernels.reference.linear
+    monkeypatch.setattr(kernels.reference, "linear", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        for batch in (1, 16, 64):
+            x = torch.randn(batch, 512, device="cuda", dtype=torch.float16)
+            assert select(layer, x.device, batch).fused
+            assert rel_err(layer(x), ref64(layer, x)) < 2e-3
+    assert not calls  # never fell back
+    monkeypatch.setenv("QRECOVER_KERNELS", "0")
+    with torch.no_grad():
+        layer(torch.randn(1, 512, device="cuda", dtype=torch.float16))
+    assert calls == [1]
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_loaded_checkpoint_moved_to_cuda_matches_cpu(tiny_ckpt):
+    from qrecover.api import load
+
+    model = load(tiny_ckpt)
+    ids = torch.randint(0, 1000, (1, 12))
+    with torch.no_grad():
+        cpu_logits = model(input_ids=ids).logits
+        model.to("cuda")
+        cuda_logits = model(input_ids=ids.cuda()).logits.cpu()
+    assert rel_err(cuda_logits, cpu_logits.double()) < 1e-3
