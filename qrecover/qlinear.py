@@ -33,6 +33,23 @@ class _Packed(nn.Module):
         self._tensor_names = tuple(qw.tensors)
         self.cache = cache
         self._dense: torch.Tensor | None = None
+        self.compute_dtype = torch.float32  # dtype of `weight` and of lookups; follows .half()/.to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``/``.half()``/``.cuda()``: the packed tensors move device but keep their stored dtypes (a
+        cast would change what is stored, and fp16 tables through bf16 would lose bits); a dtype change sets
+        :attr:`compute_dtype` instead. The dense cache is dropped."""
+        probe, probe16 = fn(torch.zeros((), dtype=torch.float32)), fn(torch.zeros((), dtype=torch.float16))
+        packed = {n: self._buffers.pop(n) for n in self._tensor_names}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in packed.items():
+                self._buffers[n] = t.to(device=probe.device)
+        if probe.dtype != torch.float32 or probe16.dtype != torch.float16:  # a cast, not only a move
+            self.compute_dtype = probe.dtype
+        self._dense = None
+        return self
 
     @property
     def packed(self) -> QuantizedWeight:
@@ -45,7 +62,9 @@ class _Packed(nn.Module):
     def nbytes(self) -> int:
         return self.packed.nbytes
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense weight ``(out, in)`` in ``dtype`` (default :attr:`compute_dtype`)."""
+        dtype = dtype or self.compute_dtype
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
         with torch.no_grad():
@@ -101,7 +120,7 @@ class QuantEmbedding(_Packed):
         return self.dequantize()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.dequantize(), self.padding_idx)
+        return F.embedding(ids, self.dequantize(), self.padding_idx)  # in compute_dtype, as the model's own dtype
 
     @classmethod
     def replacing(cls, old: nn.Embedding, qw: QuantizedWeight, cache: bool = True) -> "QuantEmbedding":

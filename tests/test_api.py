@@ -239,6 +239,30 @@ def test_load_with_cache_same_logits(tiny_ckpt, loaded, tokenizer):
     torch.testing.assert_close(a, c, atol=1e-6, rtol=0)
 
 
+def test_dtype_cast_keeps_packed_bytes_and_follows_model_dtype(tiny_ckpt, tokenizer):
+    """``model.to(bf16)`` keeps every stored tensor's dtype and bytes (fp16 tables through bf16 would lose
+    bits) and makes the embedding look up, the tied head and the linears compute, in bf16 (the embedding
+    used to stay fp32 whatever the model's dtype)."""
+    model = qrecover.load(tiny_ckpt, cache=True)
+    before = {n: b.clone() for n, b in model.named_buffers()
+              if any(n.endswith(f".{t}") for t in ("qdata", "lut", "scale", "zero_point"))}
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        model.to(torch.bfloat16)
+        emb_out = model.get_input_embeddings()(ids)
+        got = model(input_ids=ids).logits
+    after = dict(model.named_buffers())
+    assert before and all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+    assert emb_out.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    rel = float((got.float() - ref).norm() / ref.norm())
+    assert 0 < rel < 0.05, rel  # bf16 rounding, not a broken model
+    model.to(torch.float32)  # and back: the packed tensors are untouched, so fp32 logits are exact again
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, atol=1e-5, rtol=0)
+
+
 def test_generate(loaded, manifest, tiny_model_dir, tokenizer):
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
