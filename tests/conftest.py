@@ -11,8 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (tests/test_kernels.py) run in its interpreter on CPU. Set before anything imports
+    # triton: some of its state is read at import or decoration time, and other tests' imports may load it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIG = dict(
     vocab_size=49152,
