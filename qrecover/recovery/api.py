@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from ..io_utils import sha256_file
-from ..models import default_gguf_path, load_model, resolve
+from ..io_utils import cache_dir, sha256_file
+from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
@@ -105,7 +105,8 @@ def _check_teacher_source(manifest: dict[str, Any], why: str) -> None:
     """The unquantized model the checkpoint was compressed from is where the manifest says (not loaded)."""
     src = manifest["source"]
     if src["kind"] == "default":
-        default_gguf_path()
+        if not (cache_dir() / "models" / DEFAULT_MODEL / "model.safetensors").exists():  # not converted yet
+            default_gguf_path()  # raises, naming the package to install, when the GGUF is missing
         return
     try:
         resolve(src["path"])
