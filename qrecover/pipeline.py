@@ -1,10 +1,10 @@
-"""``qrecover pipeline RECIPE.toml``: the whole experiment in one command, every stage cached by content hash.
+"""``qrecover pipeline RECIPE``: the whole experiment in one command, every stage cached by content hash.
 
 **Recipe** (TOML, :class:`Recipe`)::
 
     model = ""                          # "" = the built-in default model; or an HF directory / .gguf
-    work_dir = "../runs/table10"        # stage outputs
-    report_dir = "../reports/table10"   # report.md/json/html, the results files, pipeline.json
+    work_dir = "runs/table10"           # stage outputs
+    report_dir = "reports/table10"      # report.md/json/html, the results files, pipeline.json
     [eval]                              # tasks, limit + any other EvalConfig field (windows, seq_len, ...)
     tasks = ["ifeval", "gsm8k", "mmlu", "ppl", "kl"]
     limit = 20
@@ -16,7 +16,9 @@
 
 Relative paths (``model``, ``work_dir``, ``report_dir``, ``[compress] calib_data``, ``[recover] mix``,
 ``[eval] ppl_data`` and ``reference``) are relative to the recipe file, as in mix recipes, so a recipe
-gives the same result from any working directory.
+gives the same result from any working directory. RECIPE is a TOML path or the name of a recipe shipped with
+qrecover (:mod:`qrecover.recipes`, e.g. ``table10``); a shipped recipe's relative paths are relative to the
+working directory instead (its own directory is inside the installed package).
 
 **Stages**, in order: ``eval-original``; ``compress-<bpw>bpw`` per budget; ``recover-<bpw>bpw-r<rank>`` per
 (budget, rank); ``eval-<bpw>bpw`` per checkpoint; ``eval-<bpw>bpw-r<rank>`` per adapter; ``report``. A
@@ -52,6 +54,7 @@ from typing import Any
 from . import __version__
 from .errors import QRecoverError
 from .io_utils import read_toml, toml_value, write_text_atomic
+from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
 from .schemes.base import doc_field
 
 STAGE_FILE = "stage.json"
@@ -291,12 +294,27 @@ class Recipe:
         return write_text_atomic(path, self.to_toml())
 
 
+def find_recipe(spec: str | os.PathLike) -> tuple[Path, bool]:
+    """``(file, shipped)``: ``spec`` as a path if that file exists, else the shipped recipe of that name."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path, is_shipped(path)
+    recipes = [n for n in shipped_names() if n != DEFAULT_MIX]  # the other shipped file is a data mix
+    if str(spec).removesuffix(".toml") in recipes:
+        return shipped_path(str(spec)), True
+    raise QRecoverError(f"recipe {str(spec)!r} does not exist and is not a shipped recipe (shipped: {', '.join(recipes)}); "
+                        "pass a TOML file or a shipped recipe's name, e.g. `qrecover pipeline table10`")
+
+
 def load_recipe(path: str | os.PathLike) -> Recipe:
-    """Read and validate a recipe; every problem is a QRecoverError naming the file, the key and the fix."""
-    path = Path(path).expanduser()
-    d = read_toml(path, "recipe", "; pass a TOML file such as recipes/table10.toml")
+    """Read and validate a recipe (a TOML path or a shipped recipe's name, see :func:`find_recipe`); every
+    problem is a QRecoverError naming the file, the key and the fix."""
+    name = str(path)
+    path, shipped = find_recipe(path)
+    d = read_toml(path, "recipe", "; pass a TOML file or a shipped recipe's name such as table10")
     try:
-        return Recipe.from_dict(d, base_dir=path.resolve().parent, source=str(path))
+        return Recipe.from_dict(d, base_dir=Path.cwd() if shipped else path.resolve().parent,
+                                source=name if shipped else str(path))
     except QRecoverError as e:
         raise QRecoverError(f"recipe {str(path)!r}: {e}") from None
 
@@ -405,7 +423,6 @@ def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tup
 def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     """Every stage with its key, and whether it is cached or runs (and why). Reads the model's weights to
     hash them; writes nothing."""
-    from .recovery.api import DEFAULT_MIX
     from .io_utils import sha256_file
 
     spec = recipe.model_spec
@@ -426,7 +443,7 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     c_keyed, c_run = _keyed_options(recipe, "compress", recipe.compress.options)
     r_keyed, r_run = _keyed_options(recipe, "recover", recipe.recover.options)
     if recipe.recover.ranks and "mix" not in recipe.recover.options:  # the shipped default mix, keyed by content too
-        r_keyed["mix"] = {"sha256": sha256_file(DEFAULT_MIX)} if DEFAULT_MIX.is_file() else "shipped default (missing)"
+        r_keyed["mix"] = {"sha256": sha256_file(shipped_path(DEFAULT_MIX))}
 
     original = add("eval-original", "eval", {**ev_config, "model_sha256": weights}, [], model=spec, adapter=None, options=ev_run)
     compressed: dict[float, Stage] = {}
@@ -702,7 +719,8 @@ def run_pipeline(recipe: Recipe | str | os.PathLike, dry_run: bool = False, forc
                  show_progress: bool = True, hook: Callable[[str, Stage], None] | None = None,
                  recover_callback: Callable[[dict[str, Any]], None] | None = None,
                  only: Sequence[str] = ()) -> dict[str, Any]:
-    """Plan, and unless ``dry_run`` execute, a recipe (a :class:`Recipe` or a TOML path); see :func:`execute`."""
+    """Plan, and unless ``dry_run`` execute, a recipe (a :class:`Recipe`, a TOML path or a shipped recipe's name);
+    see :func:`execute`."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     plan = make_plan(recipe, force)
@@ -712,4 +730,4 @@ def run_pipeline(recipe: Recipe | str | os.PathLike, dry_run: bool = False, forc
 
 
 __all__ = ["Recipe", "EvalSection", "CompressSection", "RecoverSection", "Stage", "Plan", "load_recipe", "make_plan",
-           "execute", "publish", "run_pipeline", "stage_key", "model_sha256", "evaluate_model", "read_marker"]
+           "execute", "publish", "run_pipeline", "find_recipe", "stage_key", "model_sha256", "evaluate_model", "read_marker"]

@@ -109,6 +109,8 @@ def test_default_mix_loads():
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "samples": 0}]}, "samples = 0 must be a positive integer"),
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "prompt_mode": "magic"}]}, "prompt_mode = 'magic' must be 'template' or 'model'"),
     ({"source": ["builtin"]}, "source #1 must be a table"),
+    ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "model": "/no/such/model"}]}, "source 'a': model = '/no/such/model' does not exist"),
+    ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "topics": "/no/such/docs"}]}, "source 'a': topics = '/no/such/docs': text source"),
 ])
 def test_recipe_errors(tiny_sources, recipe, message):
     with pytest.raises(QRecoverError) as e:

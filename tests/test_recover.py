@@ -4,13 +4,17 @@ Checks that LoRA leaves the base output unchanged at initialisation and trains o
 exported adapter is a standard PEFT directory of 16-bit tensors of exactly ``2 r (in + out)`` bytes per layer
 that ``PeftModel.from_pretrained(qrecover.load(CKPT), DIR)`` reproduces, that an adapter trained on another
 checkpoint is refused, that an interrupted run resumed from its checkpoint ends with the same weights as an
-uninterrupted one, that a feature adapter starts from the recovery adapter, and every bad input.
+uninterrupted one (its checkpoints loading with ``weights_only=True``; one holding a pickled object that would
+run code is refused), that a feature adapter starts from the recovery adapter, and every bad input: refused
+with exit 2 and a one-line message before any model loads, no output directory left behind.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -234,6 +238,7 @@ def test_resume_with_other_settings_is_refused(tiny_ckpt, text_mix, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         _run(tiny_ckpt, tmp_path / "r", text_mix, callback=stop)
+    assert sorted(os.listdir(tmp_path / "r")) == ["checkpoints", "run.json"]  # resumable state only
     with pytest.raises(QRecoverError, match="different settings.*lr"):
         _run(tiny_ckpt, tmp_path / "r", text_mix, resume=True, lr=5e-3)
 
@@ -249,7 +254,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_ckpt, text_mi
     with pytest.raises(NonFiniteLoss, match=r"loss became .* at step 3.*step-0000002\.pt.*--resume"):
         _run(tiny_ckpt, tmp_path / "nan", text_mix, callback=poison)
     assert latest_checkpoint(tmp_path / "nan").name == "step-0000002.pt"
-    state = torch.load(latest_checkpoint(tmp_path / "nan"), weights_only=False)
+    state = torch.load(latest_checkpoint(tmp_path / "nan"), weights_only=True)
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
 
 
@@ -352,3 +357,120 @@ def test_public_api_exposes_the_stages():
     assert qrecover.evaluate is evaluate
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         qrecover.nope  # noqa: B018
+
+
+# --- untrusted checkpoints, bad input before any model loads, no partial output ---------------------------
+
+
+class _WritesMarker:
+    """Unpickling this runs ``open(marker, "w")``: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_with_pickled_code_is_refused(tiny_ckpt, text_mix, tmp_path):
+    def stop(info):
+        if info["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_ckpt, tmp_path / "r", text_mix, callback=stop)
+    ckpt = latest_checkpoint(tmp_path / "r")
+    state = torch.load(ckpt, weights_only=True)  # what resume reads: tensors and plain values
+    assert set(state["rng"]) >= {"python", "numpy", "torch"}
+    marker = tmp_path / "pwned"
+    state["loader"]["evil"] = _WritesMarker(marker)
+    torch.save(state, ckpt)
+    with pytest.raises(QRecoverError, match=r"holds more than tensors and plain values.*refusing to load it"):
+        _run(tiny_ckpt, tmp_path / "r", text_mix, resume=True)
+    assert not marker.exists()
+    assert ckpt.exists()  # resumable state is not deleted by a failed resume
+
+
+def test_interrupted_before_the_first_checkpoint_leaves_no_output(tiny_ckpt, text_mix, tmp_path):
+    def stop(info):
+        if info["step"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_ckpt, tmp_path / "r", text_mix, callback=stop)  # checkpoints every 2 steps
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if anything loads a model, a tokenizer or attaches an adapter."""
+    import qrecover.api
+    import qrecover.recovery.api as recovery_api
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the input was validated")
+
+    monkeypatch.setattr(qrecover.api, "load", refuse)
+    monkeypatch.setattr(recovery_api, "load_model", refuse)
+    monkeypatch.setattr(recovery_api, "attach_lora", refuse)
+    monkeypatch.setattr(recovery_api, "init_feature_model", refuse)
+    monkeypatch.setenv("COLUMNS", "1000")  # the CLI's error line is not wrapped: one message, one line
+
+
+BAD_MIXES = [
+    ('[[source]]\nname = "docs"\nkind = "text"\npath = "d/*.txt"\nweight = 1\nwieght = 2\n',
+     "source 'docs' (kind 'text'): unknown key 'wieght'; allowed keys: name, kind, weight, path"),
+    ('[[source]]\nname = "docs"\nkind = "text"\npath = "missing/*.txt"\nweight = 1\n',
+     "source 'docs': path 'missing/*.txt'"),
+    ('[[source]]\nname = "docs"\nkind = "text"\npath = "d/*.txt"\nweight = -1\n',
+     "source 'docs': weight = -1 must be a finite number >= 0"),
+    ('[[source]\nname = "docs"\n', "is not valid TOML"),
+    ('description = "nothing"\n', "the mix has no sources; add at least one [[source]] table"),
+    ('[[source]]\nname = "chat"\nkind = "selfgen"\nweight = 1\nmodel = "no/such/model"\n',
+     "source 'chat': model = 'no/such/model' does not exist"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD_MIXES)
+def test_bad_mix_is_refused_before_any_model_loads(tiny_ckpt, tmp_path, capsys, no_model_loads, text, message):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("some text\n")
+    (tmp_path / "mix.toml").write_text(text)
+    code, out, err = cli(["recover", tiny_ckpt, "--mix", tmp_path / "mix.toml", "--out", tmp_path / "x"], capsys)
+    assert code == 2, err
+    assert message in err and str(tmp_path / "mix.toml") in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and out == ""
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_mix_through_the_api_is_refused_before_any_model_loads(tiny_ckpt, tmp_path, no_model_loads):
+    (tmp_path / "mix.toml").write_text(BAD_MIXES[2][0].replace("d/*.txt", str(tmp_path / "*.toml")))
+    with pytest.raises(QRecoverError, match="weight = -1 must be"):
+        recover(tiny_ckpt, tmp_path / "x", RecoverConfig(mix=str(tmp_path / "mix.toml")), show_progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_teacher_is_refused_before_any_model_loads(tiny_ckpt, tmp_path, capsys, no_model_loads):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    manifest = json.loads((ckpt / "qrecover.json").read_text())
+    manifest["source"]["path"] = str(tmp_path / "gone")
+    (ckpt / "qrecover.json").write_text(json.dumps(manifest))
+    code, _, err = cli(["recover", ckpt, "--out", tmp_path / "x"], capsys)  # kd + svd init need the original
+    assert code == 2 and "needs the unquantized model" in err and "gone" in err and "--objective ce --init zero" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--init-adapter", "{tmp}/none"], "--init-adapter '{tmp}/none' is not an adapter directory"),
+    (["--init-adapter", "{adapter}", "--data", "{tmp}/missing.jsonl"], "--data '{tmp}/missing.jsonl'"),
+])
+def test_bad_finetune_input_is_refused_before_any_model_loads(adapter_dir, tiny_ckpt, tmp_path, capsys,
+                                                             no_model_loads, args, message):
+    args = [a.format(tmp=tmp_path, adapter=adapter_dir) for a in args]
+    if "--data" not in args:
+        args += ["--data", str(tmp_path / "d.jsonl")]
+    code, _, err = cli(["finetune", tiny_ckpt, *args, "--out", tmp_path / "f"], capsys)
+    assert code == 2, err
+    assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "f").exists()

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from .common import JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
 
-  qrecover pipeline recipes/table10.toml              # what is not done yet
+  qrecover pipeline table10                  # the shipped Table-10 recipe: what is not done yet
 
-  qrecover pipeline recipes/table10.toml --dry-run    # the plan only
+  qrecover pipeline table10 --dry-run        # the plan only
 
-  qrecover pipeline recipes/table10.toml --force eval-original
+  qrecover pipeline my-recipe.toml --force eval-original
 
-  qrecover pipeline recipes/table10.toml --json | jq '.stages[].status'
+  qrecover pipeline table10 --json | jq '.stages[].status'
 
-  qrecover pipeline recipes/table10.toml --only eval-3.5bpw-r16 &  qrecover pipeline recipes/table10.toml --only eval-3.7bpw-r16
+  qrecover pipeline table10 --only eval-3.5bpw-r16 &  qrecover pipeline table10 --only eval-3.7bpw-r16
 
 A second run does nothing; a changed setting reruns its stage and what consumes it.
 
@@ -40,7 +38,7 @@ def _plan_table(plan) -> None:
 
 
 def pipeline(
-    recipe: Path = typer.Argument(..., help="Recipe TOML: model, work_dir, report_dir and the eval, compress and recover tables (see recipes/table10.toml)."),
+    recipe: str = typer.Argument(..., help="Recipe TOML (model, work_dir, report_dir and the eval, compress and recover tables), or the name of a shipped recipe: table10 (Table 10 on the default model; its relative paths are relative to the working directory)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (stages, keys, cached or to run) and stop."),
     force: list[str] = typer.Option([], "--force", help="Run this stage even if cached (repeatable), e.g. --force eval-original; the stages that consume it run too."),
     only: list[str] = typer.Option([], "--only", help="Run just this stage (repeatable) once its inputs are done, e.g. two evaluations in two processes; the report is written when every stage is done."),

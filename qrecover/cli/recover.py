@@ -32,7 +32,7 @@ def recover(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),
     rank: int = typer.Option(D("rank"), "--rank", "-r", help="LoRA rank."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Several ranks in one command, e.g. 8,16,32: one adapter each, in OUT/rank-R."),
-    mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped recovery/default-mix.toml."),
+    mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped mix (qrecover/recipes/default-mix.toml)."),
     tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens per adapter."),
     objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
     kd_weight: float = typer.Option(D("kd_weight"), "--kd-weight", help="With --objective mix: weight of the distillation term."),
@@ -56,6 +56,7 @@ def recover(
 ) -> None:
     """Train LoRA recovery adapters on the frozen quantized model (AFM section 5): PEFT adapters in 16 bits."""
     from ..errors import QRecoverError
+    from ..recovery.api import read_mix
     from ..recovery.api import recover as run
 
     if overwrite and resume:
@@ -68,8 +69,7 @@ def recover(
                              targets=targets, checkpoint_every=checkpoint_every,
                              gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
                              decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
-    if mix is not None and not mix.is_file():
-        raise QRecoverError(f"--mix {str(mix)!r} does not exist; pass a recipe TOML such as recovery/default-mix.toml")
+    read_mix(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
     results = []
     for cfg in configs:

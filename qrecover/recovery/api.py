@@ -9,8 +9,12 @@ writes a PEFT adapter directory::
     OUT/data_report.json             tokens per source, epochs, decontamination (what was dropped and why)
     OUT/train_log.jsonl              one line per optimizer step: tokens, loss, lr, tokens/s
 
-While training, OUT holds ``run.json`` and ``checkpoints/``; the adapter files appear only when training
-has finished (``qrecover_adapter.json`` last), so a crash never leaves a loadable half-trained adapter.
+Every input (the checkpoint, the data mix: TOML, keys, values and the files it names; the unquantized model
+distillation needs; a finetune's init adapter and data) is checked before any model loads, so bad input costs
+no time and writes nothing. While training, OUT holds ``run.json`` and ``checkpoints/``; the adapter files
+appear only when training has finished (``qrecover_adapter.json`` last), so a crash never leaves a loadable
+half-trained adapter. A run that fails or is interrupted before its first checkpoint removes the OUT it
+created; after one, OUT keeps ``run.json`` and ``checkpoints/`` (nothing else) for ``--resume``.
 """
 
 from __future__ import annotations
@@ -20,29 +24,42 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import QRecoverError
-from ..io_utils import sha256_file
-from ..models import load_model, resolve
+from ..io_utils import cache_dir, sha256_file
+from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
+from ..recipes import DEFAULT_MIX, shipped_path
 from .config import RecoverConfig
-from .lora import ADAPTER_META, attach_lora, base_identity, init_error_svd, load_adapter, save_adapter
-from .train import CHECKPOINTS, latest_checkpoint, train
+from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
+from .mix import Mix, MixLoader, load_mix, single_source_mix
+from .train import CHECKPOINTS, latest_checkpoint, total_steps, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation
-DEFAULT_MIX = Path(__file__).resolve().parents[2] / "recovery" / "default-mix.toml"
 RUN_FILE = "run.json"
+EXPORT = ".export"  # the adapter files while they are written, moved into OUT at the end
 
 
 def default_mix_path() -> Path:
-    if not DEFAULT_MIX.is_file():
-        raise QRecoverError(f"the shipped default mix {DEFAULT_MIX} is missing (qrecover installed without its "
-                            "source tree?); pass --mix RECIPE.toml")
-    return DEFAULT_MIX
+    """The shipped recovery data mix (package data: ``qrecover/recipes/default-mix.toml``)."""
+    return shipped_path(DEFAULT_MIX)
+
+
+def read_mix(mix: str | Path | None) -> Mix:
+    """The data mix ``--mix`` names (None: the shipped default), validated whole: TOML, keys, value types and
+    ranges, and that every file and directory it names exists. Cheap: no model, no tokenizer."""
+    if mix is not None and not Path(mix).expanduser().is_file():
+        raise QRecoverError(f"--mix {str(mix)!r} does not exist; pass a data-mix TOML with [[source]] tables, or leave "
+                            "--mix out for the shipped default mix")
+    path = default_mix_path() if mix is None else Path(mix)
+    try:
+        return load_mix(path)
+    except QRecoverError as e:
+        raise (e if str(path) in str(e) else QRecoverError(f"mix {str(path)!r}: {e}")) from None
 
 
 def _require_checkpoint(checkpoint: str | Path) -> Path:
@@ -57,14 +74,45 @@ def is_complete(out: Path) -> bool:
     return (out / ADAPTER_META).is_file() and (out / "adapter_config.json").is_file()
 
 
-def _prepare_out(out: Path, overwrite: bool, resume: bool) -> None:
+def _check_out(out: Path, overwrite: bool, resume: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise QRecoverError(f"adapter directory {str(out)!r} is a file; pass another --out")
     if out.exists() and not (overwrite or resume):
         state = "a finished adapter" if is_complete(out) else "an unfinished run (resume it with --resume)"
         raise QRecoverError(f"adapter directory {str(out)!r} already exists and holds {state}; pass --overwrite "
                             "to train again from scratch, or --resume to continue its last checkpoint")
+
+
+@contextlib.contextmanager
+def _run_dir(out: Path, overwrite: bool, resume: bool) -> Iterator[None]:
+    """``out`` ready for a run; on any failure (Ctrl-C included) the half-written export goes, and so does
+    ``out`` itself when this call created it and no resumable checkpoint was written."""
+    _check_out(out, overwrite, resume)
+    created = overwrite or not out.exists()
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(out / EXPORT, ignore_errors=True)
+        if created and latest_checkpoint(out) is None:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _check_teacher_source(manifest: dict[str, Any], why: str) -> None:
+    """The unquantized model the checkpoint was compressed from is where the manifest says (not loaded)."""
+    src = manifest["source"]
+    if src["kind"] == "default":
+        if not (cache_dir() / "models" / DEFAULT_MODEL / "model.safetensors").exists():  # not converted yet
+            default_gguf_path()  # raises, naming the package to install, when the GGUF is missing
+        return
+    try:
+        resolve(src["path"])
+    except QRecoverError as e:
+        raise QRecoverError(f"{why} needs the unquantized model the checkpoint was compressed from, "
+                            f"{src['path']!r}: {e}. Restore it, or pass --objective ce --init zero") from None
 
 
 def _select_targets(model: torch.nn.Module, cfg: RecoverConfig) -> list[str] | None:
@@ -109,13 +157,11 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manif
             "per_layer": captured}
 
 
-def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | None,
+def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | Mix | None,
                  data: str | None = None, generator: Any = None, show_progress: bool = True) -> Any:
     """The packed data stream; ``generator`` is the unquantized instruct model (or its spec) for self-generated
     chat sources."""
-    from .mix import MixLoader, load_mix, single_source_mix
-
-    mix = single_source_mix(data) if data is not None else load_mix(mix_path or cfg.mix or default_mix_path())
+    mix = single_source_mix(data) if data is not None else load_mix(mix_path or read_mix(cfg.mix))
     return MixLoader(mix, tokenizer, seq_len=cfg.seq_len, total_tokens=total_tokens, seed=cfg.seed,
                      decontaminate=cfg.decontaminate, model=generator, show_progress=show_progress)
 
@@ -130,7 +176,7 @@ def _finish(peft_model, out: Path, cfg: RecoverConfig, checkpoint: Path, summary
             keep_checkpoints: bool, extra: dict[str, Any]) -> dict[str, Any]:
     """Export the adapter (files moved into ``out``, the metadata last), logs and the data report."""
     manifest = peft_model.qrecover_manifest if hasattr(peft_model, "qrecover_manifest") else None
-    tmp = out / ".export"
+    tmp = out / EXPORT
     shutil.rmtree(tmp, ignore_errors=True)
     training = {k: v for k, v in summary.items() if k not in ("history", "model", "is_main_process")}
     meta = save_adapter(peft_model, tmp, base_identity(checkpoint), manifest["parameters"]["model"],
@@ -159,38 +205,42 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     """
     from transformers import AutoTokenizer
 
-    from ..api import load
+    from ..api import load, read_manifest
 
     cfg = cfg or RecoverConfig()
     checkpoint, out = _require_checkpoint(checkpoint), Path(out)
     if resume and is_complete(out):
         return json.loads((out / ADAPTER_META).read_text())
-    _prepare_out(out, overwrite, resume)
-    _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
-                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
-
-    model = load(checkpoint, cache=cfg.cache_dequantized)
-    manifest = model.qrecover_manifest
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    torch.manual_seed(cfg.seed)  # the LoRA A initialisation
-    peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg))
-    peft_model.qrecover_manifest = manifest
-    if (cfg.objective != "ce" or cfg.init == "svd") and teacher is None:
-        teacher = load_teacher(manifest)
-    # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
-    init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    from .train import total_steps
-
-    generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
-    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, cfg.mix,
-                          generator=generator, show_progress=show_progress)
-    summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
-                    callback=callback, description=f"recover r{cfg.rank}")
-    if not summary["is_main_process"]:
-        return {}
-    return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,
-                   {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json"), "init": init})
+    # --- every input checked before any model loads -----------------------------------------------------
+    mix = read_mix(cfg.mix)
+    manifest = read_manifest(checkpoint)
+    if teacher is None and (cfg.objective != "ce" or cfg.init == "svd"):
+        _check_teacher_source(manifest, f"--objective {cfg.objective} --init {cfg.init}")
+    elif teacher is None and any(s.kind == "selfgen" and not s.model for s in mix.sources):
+        _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
+    with _run_dir(out, overwrite, resume):
+        _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
+                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        model = load(checkpoint, cache=cfg.cache_dequantized)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        manifest = model.qrecover_manifest
+        torch.manual_seed(cfg.seed)  # the LoRA A initialisation
+        peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg))
+        peft_model.qrecover_manifest = manifest
+        if (cfg.objective != "ce" or cfg.init == "svd") and teacher is None:
+            teacher = load_teacher(manifest)
+        # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
+        init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
+        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, mix,
+                              generator=generator, show_progress=show_progress)
+        summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
+                        callback=callback, description=f"recover r{cfg.rank}")
+        if not summary["is_main_process"]:
+            return {}
+        return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,
+                       {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json"), "init": init})
 
 
 def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_foreign_adapter: bool = False,
@@ -225,22 +275,29 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
     checkpoint, out = _require_checkpoint(checkpoint), Path(out)
     if resume and is_complete(out):
         return json.loads((out / ADAPTER_META).read_text())
-    peft_model = init_feature_model(checkpoint, init_adapter, allow_foreign_adapter, cfg.cache_dequantized)
-    cfg = RecoverConfig.from_dict({**cfg.to_dict(), "rank": peft_model.peft_config["default"].r})
-    _prepare_out(out, overwrite, resume)
-    _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "init_adapter": str(init_adapter),
-                                 "config": cfg.to_dict()})
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    from .train import total_steps
+    # --- every input checked before any model loads -----------------------------------------------------
+    if not (Path(init_adapter) / "adapter_config.json").is_file():
+        raise QRecoverError(f"--init-adapter {str(init_adapter)!r} is not an adapter directory (no adapter_config.json); "
+                            "pass the output directory of `qrecover recover`")
+    check_base(init_adapter, checkpoint, allow_foreign_adapter)
+    try:
+        mix = single_source_mix(data)
+    except QRecoverError as e:
+        raise QRecoverError(f"--data {data!r}: {e}") from None
+    with _run_dir(out, overwrite, resume):
+        peft_model = init_feature_model(checkpoint, init_adapter, allow_foreign_adapter, cfg.cache_dequantized)
+        cfg = RecoverConfig.from_dict({**cfg.to_dict(), "rank": peft_model.peft_config["default"].r})
+        _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint),
+                                     "init_adapter": str(init_adapter), "config": cfg.to_dict()})
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, mix,
+                              show_progress=show_progress)
+        summary = train(peft_model, cfg, loader, out, resume=resume, show_progress=show_progress, description="finetune")
+        if not summary["is_main_process"]:
+            return {}
+        return _finish(peft_model, out, cfg, checkpoint, summary, loader, False,
+                       {"init_adapter": str(Path(init_adapter).resolve()), "data": data})
 
-    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, None, data=data,
-                          show_progress=show_progress)
-    summary = train(peft_model, cfg, loader, out, resume=resume, show_progress=show_progress, description="finetune")
-    if not summary["is_main_process"]:
-        return {}
-    return _finish(peft_model, out, cfg, checkpoint, summary, loader, False,
-                   {"init_adapter": str(Path(init_adapter).resolve()), "data": data})
 
-
-__all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "load_teacher", "latest_checkpoint", "is_complete"]
+__all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "read_mix", "load_teacher", "latest_checkpoint", "is_complete"]

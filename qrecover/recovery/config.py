@@ -24,7 +24,7 @@ class RecoverConfig:
                           "quantized model). `finetune` ignores it: a feature adapter starts from its --init-adapter")
     targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
     tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
-    mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped recovery/default-mix.toml")
+    mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped default mix (qrecover/recipes/default-mix.toml)")
     objective: str = doc_field("kd", "'ce' (next-token cross-entropy on the data), 'kd' (KL to the unquantized model), 'mix' (both)")
     kd_weight: float = doc_field(0.5, "with objective 'mix': loss = (1 - kd_weight) * CE + kd_weight * KL")
     temperature: float = doc_field(1.0, "distillation temperature (1 = match the teacher's distribution as is)")

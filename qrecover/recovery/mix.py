@@ -186,6 +186,16 @@ class Mix:
                     _list_files(s, self.base_dir)
                 elif s.kind == "builtin":
                     source_files("python-docs")
+                elif s.kind == "selfgen":
+                    if s.model is not None and not Path(s.model).expanduser().exists():
+                        raise QRecoverError(f"source {s.name!r}: model = {s.model!r} does not exist; name an HF model "
+                                            "directory or a .gguf file, or leave model out for the unquantized model")
+                    if s.topics != "general":
+                        try:
+                            source_files(s.topics)
+                        except QRecoverError as e:
+                            raise QRecoverError(f"source {s.name!r}: topics = {s.topics!r}: {e}; or topics = "
+                                                "\"general\" for the built-in everyday subjects") from None
 
     def fractions(self) -> dict[str, float]:
         """Each source's share of the training tokens: weight / sum of weights."""

@@ -8,6 +8,10 @@ Resumability: every ``checkpoint_every`` optimizer steps the main process writes
 (adapter weights in fp32, optimizer, scheduler, step, tokens, the data loader's exact position and every RNG
 state) atomically. ``resume=True`` continues from the newest one, and the run ends where an uninterrupted run
 would (tested: same weights).
+
+A checkpoint holds tensors and plain values only (dicts, lists, numbers, strings: the RNG states as tensors and
+lists), and is read with ``torch.load(weights_only=True)``: a checkpoint directory from someone else cannot run
+code (a file with any other pickled object is refused).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import pickle
 import random
 import resource
 import time
@@ -32,6 +37,7 @@ from .config import RecoverConfig
 from .objective import loss_fn
 
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
 
 
 class NonFiniteLoss(QRecoverError):
@@ -65,18 +71,48 @@ def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state as tensors and plain values (what ``weights_only`` loading accepts)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss},
+             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A training checkpoint, read with ``weights_only=True``: tensors and plain values, never code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = next((ln for ln in lines if "global" in ln.lower()), lines[0] if lines else type(e).__name__)
+        raise QRecoverError(f"checkpoint {str(path)!r} holds more than tensors and plain values (pickled objects "
+                            f"that could run code: {reason[:200]}); refusing to load it. If it is not yours, delete it; "
+                            "else it comes from an older qrecover: train again with --overwrite") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise QRecoverError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {str(e)[:200]}); it is "
+                            "truncated or not a qrecover checkpoint: delete it to resume from the one before, or "
+                            "train again with --overwrite") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise QRecoverError(f"checkpoint {str(path)!r} has format {found!r}, not {CHECKPOINT_FORMAT}; it comes from "
+                            "another qrecover version: train again with --overwrite")
+    return state
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -173,7 +209,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     torch.manual_seed(cfg.seed)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = load_checkpoint(ckpt)
         if state["config"] != cfg.to_dict():
             diff = {k: (state["config"].get(k), v) for k, v in cfg.to_dict().items() if state["config"].get(k) != v}
             raise QRecoverError(f"cannot resume {run_dir}: it was started with different settings {diff} "
@@ -245,7 +281,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             # --- checkpoint, then the caller's hook ----------------------------------------------------
             if accelerator.is_main_process and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == steps):
                 _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
-                    "config": cfg.to_dict(), "step": step, "tokens": tokens, "history": history,
+                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "step": step, "tokens": tokens, "history": history,
                     "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "loader": loader.state_dict(), "rng": _rng_state()})
