@@ -185,13 +185,13 @@ def test_seed_topics_without_titles_fails_clearly(tmp_path):
 
 def test_builtin_seed_topics_read_only_train(monkeypatch):
     asked = []
-    real = mixmod.text_docs
+    real = selfgen.text_docs
 
     def spy(source, split=None):
         asked.append((source, split))
         return real(source, split)
 
-    monkeypatch.setattr(mixmod, "text_docs", spy)
+    monkeypatch.setattr(selfgen, "text_docs", spy)  # selfgen reads topics through its own import
     topics = seed_topics()
     assert asked == [("python-docs", "train")]
     assert len(topics) > 100 and len({t.lower() for t in topics}) == len(topics)

@@ -60,6 +60,8 @@ import numpy as np
 
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file
+from .chat import chat_text
+from .documents import split_files
 
 INDEX_VERSION = 1
 _NON_WORD = re.compile(r"[\W_]+")
@@ -162,7 +164,6 @@ def mmlu() -> EvalSet:
 
 def text_eval_split(source: str = "python-docs") -> EvalSet:
     """The held-out ``eval`` split of a text source (the built-in Python docs by default)."""
-    from .mix import split_files
 
     files = split_files(source, "eval")
 
@@ -392,7 +393,6 @@ def check_document(index: DecontamIndex, doc: Any) -> list[tuple[tuple[int, int]
     """The non-clean units of one training document: ``[(span, verdict)]``, ``span`` the passage's character
     range in a text, None for a chat (judged whole on all its messages' text)."""
     if not isinstance(doc, str):
-        from .chat import chat_text
 
         v = index.check(chat_text(doc))
         return [] if v.status == "clean" else [(None, v)]
@@ -458,7 +458,6 @@ class SourceReport:
 
 
 def chat_text_of(doc: Any) -> str:
-    from .chat import chat_text
 
     return chat_text(doc)
 

@@ -45,6 +45,9 @@ import torch
 
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, sha256_files
+from ..models import DEFAULT_MODEL, load_model, resolve
+from ..progress import steps
+from .documents import text_docs
 
 SELFGEN_VERSION = 1
 
@@ -110,7 +113,6 @@ def _clean_title(line: str) -> str:
 def seed_topics(source: str = "python-docs") -> list[str]:
     """Section titles of the ``train`` split of a text source, qualified by their page title, deduplicated, in
     document (hash) order. Only ``train`` documents are read."""
-    from .mix import text_docs
 
     docs = text_docs(source, "train")
     topics, seen = [], set()
@@ -148,7 +150,6 @@ def _weights_sha(model: Any) -> tuple[str, str]:
             h.update(str(t.dtype).encode())
             h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest(), type(model).__name__
-    from ..models import DEFAULT_MODEL, resolve
 
     path, kind = resolve(None if model is None else str(model))
     if kind == "qrecover":
@@ -265,7 +266,6 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     if is_module:
         model = model_spec_or_model
     else:
-        from ..models import load_model
 
         model, loaded_tok, _ = load_model(None if model_spec_or_model is None else str(model_spec_or_model))
         tokenizer = tokenizer or loaded_tok
@@ -280,9 +280,8 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
         topic = topics[i % len(topics)]
         plan.append((topic, kind, description.format(topic=topic), template.format(topic=topic)))
 
-    from .mix import _progress
 
-    with _progress(show_progress, f"self-generate {n} chats ({model_name})", n * (2 if prompt_mode == "model" else 1)) as advance:
+    with steps(show_progress, f"self-generate {n} chats ({model_name})", n * (2 if prompt_mode == "model" else 1)) as advance:
         prompts, sources = [template for *_, template in plan], ["template"] * n
         if prompt_mode == "model":
             metas = [[{"role": "user", "content": META_PROMPT.format(description=d)}] for _, _, d, _ in plan]

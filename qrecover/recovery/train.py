@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from rich.progress import TextColumn
 
 from ..errors import QRecoverError
+from ..progress import progress
 from ..qlinear import QuantLinear
 from .config import RecoverConfig
 from .objective import loss_fn
@@ -138,13 +140,8 @@ def peak_memory_bytes() -> int:
 
 
 def _progress(show: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"),
-                    TextColumn("{task.fields[speed]:,.0f} tok/s"), TextColumn("loss {task.fields[loss]:.4f}"),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), disable=not show)
+    return progress(TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), TextColumn("{task.fields[speed]:,.0f} tok/s"),
+                    TextColumn("loss {task.fields[loss]:.4f}"), disable=not show)
 
 
 def _batches(stream: Iterator[dict[str, torch.Tensor]], batch_size: int, rank: int, world: int

@@ -60,6 +60,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import QRecoverError
+from ..progress import progress
 from .results import Metric
 
 ALPACA_METRIC = "alpacaeval"  # the metric's name in results files and reports
@@ -478,8 +479,6 @@ class _Bar:
     def __init__(self, show: bool, what: str, total: int) -> None:
         self._p = None
         if show:
-            from ..calibrate import progress
-
             self._p = progress()
             self._p.start()
             self._t = self._p.add_task(f"AlpacaEval {what}", total=total)
