@@ -3,7 +3,7 @@
 - The grid search finds a planted best scale: on a toy linear with one input channel of huge activations,
   ``search_scales`` picks exactly the ratio that a brute force over the same grid (written here in float64
   from the formula) finds best, and that ratio beats no scaling clearly.
-- Folding is function-preserving: on tiny random Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3 and Phi-3
+- Folding is function-preserving: on tiny random Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma-2, Gemma-3 and Phi-3
   models (2 layers, hidden 64; with and without grouped-query attention) ``apply_layer`` on every layer,
   with a crude quantize_fn so that real scales are chosen, leaves the logits equal to float32 precision.
 - AWQ before RTN 4-bit lowers the decoder layer's output error versus RTN alone on a layer with outlier
@@ -82,6 +82,8 @@ ARCHS = {
     "mistral": dict(num_key_value_heads=2, sliding_window=None),
     "qwen2": dict(num_key_value_heads=2),  # GQA: v -> o skipped; q/k/v have biases
     "qwen3": dict(num_key_value_heads=2, head_dim=16),
+    "gemma": dict(num_key_value_heads=1, head_dim=16),
+    "smollm3": dict(num_key_value_heads=2, pad_token_id=0),
     "gemma2": dict(num_key_value_heads=4, head_dim=16, query_pre_attn_scalar=16),
     "gemma3_text": dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
     "phi3": dict(num_key_value_heads=4, pad_token_id=0),  # fused qkv_proj / gate_up_proj
