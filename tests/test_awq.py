@@ -204,3 +204,13 @@ def test_unknown_architecture_raises():
     with pytest.raises(QRecoverError, match=r"no mapping for GPT2Block"):
         get_transform("awq").check(gpt2)
     get_transform("awq").check(tiny_model("qwen2"))  # a supported one passes
+
+
+def test_search_tokens_takes_whole_first_windows():
+    xs = [torch.zeros(1, 24, 64)] * 4
+    assert AWQ(search_tokens=50)._search_calls(xs) == 2
+    assert AWQ(search_tokens=48)._search_calls(xs) == 2
+    assert AWQ(search_tokens=10)._search_calls(xs) == 1  # at least one window
+    assert AWQ(search_tokens=None)._search_calls(xs) == 4
+    with pytest.raises(QRecoverError, match="n_grid=0"):
+        AWQ(n_grid=0)

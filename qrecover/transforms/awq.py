@@ -132,23 +132,27 @@ def search_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, loss: Callable[[to
 
 @dataclass
 class _Captured:
-    """One mapping's calibration data: the linears' input (tokens, I) and the compared module's calls."""
+    """One mapping's calibration data: ``mean |x|`` ``(I,)`` of the linears' input, the compared module's calls."""
 
-    x: torch.Tensor
+    x_mean: torch.Tensor
     calls: list[tuple[tuple, dict]]
 
 
 @register_transform
 class AWQ(Transform):
     """See the module docstring. ``n_grid``: ratios tried; ``duo_scaling``: the weight term in ``s``;
-    ``group_size``: the target grid's group, for ``w_mean`` (None or not dividing: whole rows)."""
+    ``group_size``: the target grid's group, for ``w_mean`` (None or not dividing: whole rows);
+    ``search_tokens``: calibration tokens (whole windows, the first ones, at least one) on which the
+    search evaluates each ratio, the bulk of the cost (``x_mean`` uses every token); None = all."""
 
     name = "awq"
 
-    def __init__(self, n_grid: int = 20, duo_scaling: bool = True, group_size: int | None = 128):
+    def __init__(self, n_grid: int = 20, duo_scaling: bool = True, group_size: int | None = 128,
+                 search_tokens: int | None = 4096):
         if n_grid < 1:
             raise QRecoverError(f"awq n_grid={n_grid} must be at least 1")
         self.n_grid, self.duo_scaling, self.group_size = n_grid, duo_scaling, group_size
+        self.search_tokens = search_tokens
 
     def check(self, model: nn.Module) -> None:
         for layer in decoder_layers(model):
@@ -158,40 +162,76 @@ class AWQ(Transform):
                     quantize_fn: QuantizeFn) -> dict[str, Any]:
         fam = family_of(layer)
         mods = dict(layer.named_modules())
-        summary: dict[str, Any] = {"family": fam.name, "mappings": []}
+        results: dict[Mapping, dict[str, Any]] = {}
+        active = []
+        for m in fam.mappings:
+            prev, first = mods[m.prev], mods[m.linears[0]]
+            if isinstance(prev, nn.Linear) and prev.out_features != m.chunks * first.in_features:
+                results[m] = {"prev": m.prev, "linears": list(m.linears), "skipped":
+                              f"{m.prev} has {prev.out_features} outputs for {first.in_features} inputs (grouped-query attention)"}
+            else:
+                active.append(m)
         with torch.no_grad():
-            for m in fam.mappings:
+            captured = self._capture(layer, inputs, kwargs, active, mods, self._search_calls(inputs))
+            # one capture serves every mapping: a fold changes only the inputs of its own linears, which
+            # no later mapping reads (each mapping's compared module follows the earlier ones' linears)
+            for m, cap in zip(active, captured):
                 linears = [mods[n] for n in m.linears]
-                prev = mods[m.prev]
-                if isinstance(prev, nn.Linear) and prev.out_features != m.chunks * linears[0].in_features:
-                    summary["mappings"].append({"prev": m.prev, "linears": list(m.linears), "skipped":
-                                                f"{m.prev} has {prev.out_features} outputs for {linears[0].in_features} inputs (grouped-query attention)"})
-                    continue
-                cap = self._capture(layer, inputs, kwargs, linears[0], mods[m.inspect])
                 s, ratio, before, after = self._search(m, linears, mods[m.inspect], cap, quantize_fn)
                 if ratio is not None:
-                    self._fold(prev, linears, s, m.chunks, fam.norm_offset)
-                summary["mappings"].append({"prev": m.prev, "linears": list(m.linears), "ratio": ratio,
-                                            "error_before": before, "error_after": after})
-        return summary
+                    self._fold(mods[m.prev], linears, s, fam.norm_offset)
+                results[m] = {"prev": m.prev, "linears": list(m.linears), "ratio": ratio,
+                              "error_before": before, "error_after": after}
+        return {"family": fam.name, "mappings": [results[m] for m in fam.mappings]}
 
     # --- stages -------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _capture(layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict[str, Any]],
-                 first: nn.Linear, inspect: nn.Module) -> _Captured:
-        """Run the layer on every input; keep the linears' input and every call of the compared module."""
-        xs: list[torch.Tensor] = []
-        calls: list[tuple[tuple, dict]] = []
-        h1 = first.register_forward_pre_hook(lambda _m, args: xs.append(args[0].reshape(-1, args[0].shape[-1])))
-        h2 = inspect.register_forward_pre_hook(lambda _m, args, kw: calls.append((args, dict(kw))), with_kwargs=True)
+    def _capture(layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict[str, Any]], mappings: list[Mapping],
+                 mods: dict[str, nn.Module], n_calls: int) -> list[_Captured]:
+        """One pass of the layer over every input: per mapping, ``mean |x|`` of its linears' input over all
+        tokens, and the compared module's calls in the first ``n_calls`` windows."""
+        sums: list[torch.Tensor | float] = [0.0] * len(mappings)
+        counts = [0] * len(mappings)
+        calls: list[list[tuple[tuple, dict]]] = [[] for _ in mappings]
+        window = [0]
+
+        def on_input(k: int):
+            def hook(_m, args):
+                x = args[0].reshape(-1, args[0].shape[-1])
+                sums[k] = sums[k] + x.abs().double().sum(0)
+                counts[k] += x.shape[0]
+            return hook
+
+        def on_call(k: int):
+            def hook(_m, args, kw):
+                if window[0] < n_calls:
+                    calls[k].append((args, dict(kw)))
+            return hook
+
+        hooks = []
         try:
-            for x, kw in zip(inputs, kwargs):
+            for k, m in enumerate(mappings):
+                hooks.append(mods[m.linears[0]].register_forward_pre_hook(on_input(k)))
+                hooks.append(mods[m.inspect].register_forward_pre_hook(on_call(k), with_kwargs=True))
+            for i, (x, kw) in enumerate(zip(inputs, kwargs)):
+                window[0] = i
                 layer(x, **kw)
         finally:
-            h1.remove()
-            h2.remove()
-        return _Captured(torch.cat(xs), calls)
+            for h in hooks:
+                h.remove()
+        return [_Captured((sm / max(c, 1)).float(), cl) for sm, c, cl in zip(sums, counts, calls)]
+
+    def _search_calls(self, inputs: list[torch.Tensor]) -> int:
+        """How many of the first windows the search evaluates (``search_tokens``)."""
+        if self.search_tokens is None:
+            return len(inputs)
+        n, tokens = 0, 0
+        for x in inputs:
+            if n and tokens + x.shape[:-1].numel() > self.search_tokens:
+                break
+            n, tokens = n + 1, tokens + x.shape[:-1].numel()
+        return n
 
     @staticmethod
     def _run(module: nn.Module, calls: list[tuple[tuple, dict]]) -> Iterator[torch.Tensor]:
@@ -221,11 +261,10 @@ class AWQ(Transform):
                     lin.weight.data = w
             return total / max(n, 1)
 
-        x_mean = cap.x.abs().float().mean(0)
-        return search_scales(x_mean, weight_mean(originals, self.group_size), loss, self.n_grid, self.duo_scaling)
+        return search_scales(cap.x_mean, weight_mean(originals, self.group_size), loss, self.n_grid, self.duo_scaling)
 
     @staticmethod
-    def _fold(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, chunks: int, norm_offset: float) -> None:
+    def _fold(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor, norm_offset: float) -> None:
         """``W <- W diag(s)`` for the linears; the previous op's output channels divided by ``s``."""
         for lin in linears:
             lin.weight.data = (lin.weight.data.float() * s).to(lin.weight.dtype)
