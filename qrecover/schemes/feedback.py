@@ -27,10 +27,11 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01, dtype: tor
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * h.diagonal().mean())
-    lower = torch.linalg.cholesky(h)
-    # H^-1 = L^-T L^-1 (torch.cholesky_inverse is the same maths but many times slower on some CPU builds)
-    lower_inv = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype, device=h.device), upper=False)
-    return torch.linalg.cholesky(lower_inv.T @ lower_inv, upper=True).to(dtype)
+    # With J the order reversal and J H J = M M^T (Cholesky), H = R R^T for the upper triangular R = J M J,
+    # so H^-1 = R^-T R^-1: the upper factor is R^-1. One Cholesky and one triangular solve, no product.
+    r = torch.linalg.cholesky(h.flip(0, 1)).flip(0, 1)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.solve_triangular(r, eye, upper=True).to(dtype)
 
 
 def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
