@@ -214,3 +214,20 @@ def test_search_tokens_takes_whole_first_windows():
     assert AWQ(search_tokens=None)._search_calls(xs) == 4
     with pytest.raises(QRecoverError, match="n_grid=0"):
         AWQ(n_grid=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_folding_preserves_logits_on_cuda():
+    model = tiny_model("llama").cuda()
+    ids = windows().cuda()
+    probe = windows(2, 32, seed=9).cuda()
+    with torch.no_grad():
+        want = model(input_ids=probe, use_cache=False).logits
+    awq = AWQ(group_size=16)
+    for i, layer in enumerate(decoder_layers(model)):
+        x, kw = layer_inputs(model, ids, i)
+        awq.apply_layer(layer, x, kw, rtn(2, 16))
+    with torch.no_grad():
+        got = model(input_ids=probe, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

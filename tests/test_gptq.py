@@ -218,3 +218,19 @@ def test_bad_group_size_names_value_and_divisors():
     with pytest.raises(QRecoverError, match="hessian"):
         get_quantizer("gptq", group_size=32).quantize(w, 4, {})
     assert get_quantizer("gptq").needs == {"hessian"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_equals_cpu():
+    w, H = randn(12, 64, seed=2) * 0.1, correlated_hessian(64, seed=3)
+    for act_order in (False, True):
+        want = gptq_quantize(w, H, 3, 16, False, act_order, block=16, dtype=torch.float64)
+        got = gptq_quantize(w.cuda(), H.cuda(), 3, 16, False, act_order, block=16, dtype=torch.float64)
+        assert got[0].device.type == "cuda"
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+    qw = get_quantizer("gptq", group_size=16).quantize(w.cuda(), 4, {"hessian": H.cuda()})
+    assert qw.tensors["qdata"].device.type == "cuda"
+    cpu = get_quantizer("gptq", group_size=16).quantize(w, 4, {"hessian": H})
+    assert float((qw.dequantize().cpu() == cpu.dequantize()).float().mean()) > 0.98
