@@ -29,6 +29,7 @@ from qrecover.sensitivity import linear_damage  # noqa: E402
 
 CONFIGS = {
     "palettize (input p0.5)": ("palettize", {}),
+    "palettize input p1": ("palettize", {"importance_power": 1.0}),
     "palettize fisher p0.5": ("palettize", {"weighting": "fisher"}),
     "palettize fisher p1": ("palettize", {"weighting": "fisher", "importance_power": 1.0}),
     "rtn g64 asym": ("blockwise", {"block_size": 64, "symmetric": False}),
