@@ -572,3 +572,73 @@ def test_register_custom_quantizer_end_to_end(monkeypatch):
     other = _make_toy()  # a different class under the same name
     with pytest.raises(ValueError, match="already registered"):
         register_quantizer(other)
+
+
+# --- palettize: Fisher weighting (SqueezeLLM) --------------------------------------------------------------
+
+
+def _fisher_stats(out_f: int, in_f: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(in_f, generator=g) ** 3 * 4 + 0.05  # uneven input channel energies
+    return {"input_sq": d, "hessian": torch.diag(d), "out_grad_sq": torch.rand(out_f, generator=g) + 0.5}
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("power", [0.5, 1.0])
+def test_palettize_fisher_with_equal_gradients_is_input_weighting(feedback, power):
+    # weighting="fisher" uses (g_i * E[x_j^2])**p normalised to mean 1; with every g_i = 1 that is exactly
+    # weighting="input" with the same p (E[x_j^2]**p); with every g_i = c it is the same up to rounding
+    w = randn(32, 64, seed=11)
+    stats = _fisher_stats(32, 64)
+    inp = get_quantizer("palettize", weighting="input", importance_power=power, error_feedback=feedback)
+    fis = get_quantizer("palettize", weighting="fisher", importance_power=power, error_feedback=feedback)
+    for bits in (2, 3, 4):
+        want = inp.quantize(w, bits, stats)
+        got = fis.quantize(w, bits, {**stats, "out_grad_sq": torch.ones(32)})
+        assert torch.equal(got.tensors["qdata"], want.tensors["qdata"]) and torch.equal(got.tensors["lut"], want.tensors["lut"])
+        scaled = fis.quantize(w, bits, {**stats, "out_grad_sq": torch.full((32,), 0.37)})
+        torch.testing.assert_close(scaled.dequantize(), want.dequantize(), rtol=0, atol=2e-3)
+    torch.testing.assert_close(fis.importance((32, 64), {**stats, "out_grad_sq": torch.full((32,), 0.37)}),
+                               inp.importance((32, 64), stats), rtol=1e-5, atol=0)
+    assert fis.params["weighting"] == "fisher" and get_quantizer("palettize", **fis.params).params == fis.params
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_palettize_fisher_favours_rows_with_large_gradients(feedback, bits):
+    # rows 0 and 17 (one in each 16-row table group) have wider values than their neighbours and move the
+    # loss 50x more: the shared tables move towards them, their own input-weighted error falls, and the
+    # Fisher-weighted total error falls too
+    w = randn(32, 64, seed=12)
+    w[[0, 17]] *= 3.0
+    stats = _fisher_stats(32, 64, seed=3)
+    stats["out_grad_sq"] = torch.ones(32)
+    stats["out_grad_sq"][[0, 17]] = 50.0
+    d = stats["input_sq"]
+
+    def row_errors(qw):
+        return (((w - qw.dequantize()) ** 2) * d).sum(1)
+
+    e_in = row_errors(get_quantizer("palettize", error_feedback=feedback).quantize(w, bits, stats))
+    e_fi = row_errors(get_quantizer("palettize", weighting="fisher", error_feedback=feedback).quantize(w, bits, stats))
+    assert float(e_fi[[0, 17]].sum()) < 0.9 * float(e_in[[0, 17]].sum()), (e_fi[[0, 17]], e_in[[0, 17]])
+    g = stats["out_grad_sq"]
+    assert float((g * e_fi).sum()) < float((g * e_in).sum())
+
+
+def test_palettize_needs_and_weighting_errors():
+    assert get_quantizer("palettize").needs == {"input_sq", "hessian"}
+    assert get_quantizer("palettize", weighting="fisher").needs == {"input_sq", "hessian", "out_grad_sq"}
+    assert get_quantizer("palettize", weighting="fisher", error_feedback=False).needs == {"input_sq", "out_grad_sq"}
+    assert get_quantizer("palettize", weighted=False, error_feedback=False).needs == set()
+    with pytest.raises(QRecoverError, match=r"weighting='hessian'.*\['input', 'fisher'\]"):
+        get_quantizer("palettize", weighting="hessian")
+    stats = _fisher_stats(16, 64)
+    del stats["out_grad_sq"]
+    with pytest.raises(QRecoverError, match="out_grad_sq"):
+        get_quantizer("palettize", weighting="fisher").quantize(randn(16, 64), 3, stats)
+    # the embedding's per-element statistic takes precedence over either weighting
+    el = {"element_sq": torch.rand(16, 64, generator=torch.Generator().manual_seed(2))}
+    a = get_quantizer("palettize", weighting="fisher").quantize(randn(16, 64), 3, el)
+    b = get_quantizer("palettize").quantize(randn(16, 64), 3, el)
+    assert torch.equal(a.tensors["qdata"], b.tensors["qdata"])

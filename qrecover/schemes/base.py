@@ -22,6 +22,10 @@ from ..errors import QRecoverError
 #:   the embedding, whose "input" is a token id
 #: - ``out_grad_sq``: ``(out_features,)`` mean squared gradient of the loss w.r.t. the layer's outputs
 #:   (collected by the backward calibration pass; with ``input_sq`` it gives a per-element Fisher weight)
+#: Derived, optional (not collected by calibration, never in ``needs``): ``hessian_inv_chol`` ``(in, in)``,
+#: the upper Cholesky factor of the damped inverse Hessian from :func:`qrecover.schemes.gptq.hessian_factor`
+#: (same ``damp`` and ``act_order`` as the quantizer), computed once and shared by the layers that read the
+#: same inputs (q/k/v, gate/up); a quantizer that gets it skips its own factorisation.
 STAT_NAMES = ("input_sq", "hessian", "element_sq", "out_grad_sq")
 
 

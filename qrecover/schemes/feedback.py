@@ -3,6 +3,11 @@
 Columns are quantized in order; each column's rounding error, scaled by the inverse Hessian's Cholesky
 factor, is pushed onto the columns not yet quantized (Frantar et al. 2022, "GPTQ", Algorithm 1, with
 lazy block updates). ``round_fn(j, w) -> (q, codes)`` rounds column ``j``'s values ``w (out,)``.
+
+A rounding rule whose grid depends on the weights themselves (GPTQ's group scales, computed "as the
+columns are reached") passes ``group`` and ``on_group(j, cols)``: at every column ``j`` that starts a group
+it receives ``cols (min(group, in - j), out)``, those columns as they stand at that moment, with the error
+of every earlier column already applied (whatever the block size: the result does not depend on ``block``).
 """
 
 from __future__ import annotations
@@ -12,39 +17,62 @@ from collections.abc import Callable
 import torch
 
 
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, ``(in, in)`` fp32."""
+def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, ``(in, in)`` in ``dtype``.
+
+    Dead input channels (``H[j, j] == 0``: never active in calibration) get ``H[j, j] = 1`` first, as the
+    reference GPTQ does, so the factor exists; their weights then do not affect the output at all.
+    """
     h = hessian.double().clone()
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * h.diagonal().mean())
-    lower = torch.linalg.cholesky(h)
-    # H^-1 = L^-T L^-1 (torch.cholesky_inverse is the same maths but many times slower on some CPU builds)
-    lower_inv = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype), upper=False)
-    return torch.linalg.cholesky(lower_inv.T @ lower_inv, upper=True).float()
+    # With J the order reversal and J H J = M M^T (Cholesky), H = R R^T for the upper triangular R = J M J,
+    # so H^-1 = R^-T R^-1: the upper factor is R^-1. One Cholesky and one triangular solve, no product.
+    r = torch.linalg.cholesky(h.flip(0, 1)).flip(0, 1)
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.solve_triangular(r, eye, upper=True).to(dtype)
 
 
-def error_feedback(weight: torch.Tensor, hessian: torch.Tensor,
+def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
                    round_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   block: int = 32, damp: float = 0.01) -> torch.Tensor:
+                   block: int = 32, damp: float = 0.01, *, factor: torch.Tensor | None = None,
+                   group: int = 0, on_group: Callable[[int, torch.Tensor], None] | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Quantize ``weight (out, in)`` column by column with error feedback; return codes ``(out, in)`` int64.
+
+    ``factor``: the upper Cholesky factor of the damped inverse Hessian (:func:`inverse_hessian_factor`),
+    when the caller shares one across layers with the same inputs; otherwise it is computed from
+    ``hessian`` and ``damp``. ``group``/``on_group``: see the module docstring. ``dtype``: the arithmetic
+    (float32; float64 for references).
 
     Works on the transpose ``(in, out)`` so that every column is a contiguous row and the rank-1
     updates inside a block stream through memory; blocks of 32 columns keep those updates small and
     leave the bulk of the work to one matrix product per block.
     """
-    wt = weight.detach().float().T.contiguous()  # (in, out)
+    wt = weight.detach().to(dtype).T.contiguous()  # (in, out)
     in_f, out_f = wt.shape
-    u = inverse_hessian_factor(hessian, damp)
-    codes = torch.empty(in_f, out_f, dtype=torch.long)
+    u = (factor if factor is not None else inverse_hessian_factor(hessian, damp, dtype)).to(device=wt.device, dtype=dtype)
+    if u.shape != (in_f, in_f):
+        raise ValueError(f"inverse Hessian factor of shape {tuple(u.shape)} for a weight with {in_f} input columns")
+    codes = torch.empty(in_f, out_f, dtype=torch.long, device=wt.device)
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         wb = wt[b0:b1].clone()
         errs = torch.empty_like(wb)
         ub = u[b0:b1, b0:b1]
         for k in range(b1 - b0):
-            q, c = round_fn(b0 + k, wb[k])
-            codes[b0 + k] = c
+            j = b0 + k
+            if on_group is not None and j % group == 0:
+                end = min(j + group, in_f)
+                if end <= b1:
+                    cols = wb[k:end - b0]
+                else:  # the group runs past this block: apply this block's pending errors to the rest
+                    rest = wt[b1:end] - u[b0:j, b1:end].T @ errs[:k]
+                    cols = torch.cat([wb[k:], rest])
+                on_group(j, cols)
+            q, c = round_fn(j, wb[k])
+            codes[j] = c
             e = (wb[k] - q) / ub[k, k]
             wb[k + 1:] -= ub[k, k + 1:].unsqueeze(1) * e.unsqueeze(0)
             errs[k] = e

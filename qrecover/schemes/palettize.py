@@ -2,9 +2,16 @@
 
 Every group of ``group_size`` output rows (x ``block_size`` input columns, or the whole row when
 ``block_size`` is None) shares one table of ``2**bits`` fp16 values; each weight stores the index of
-its table entry. The k-means objective is weighted by per-input-channel importance ``E[x_j**2]`` from
-calibration (as SqueezeLLM weights its k-means by sensitivity), so channels that carry large
-activations are reproduced more precisely.
+its table entry. The k-means objective is weighted per element (as SqueezeLLM weights its k-means by
+sensitivity), so the weights that matter most are reproduced more precisely:
+
+- ``weighting="input"``: ``(E[x_j**2])**p``, the per-input-channel importance from calibration;
+- ``weighting="fisher"``: ``(g_i * E[x_j**2])**p`` with ``g_i = E[(dL/dy_i)**2]`` (``out_grad_sq``), the
+  diagonal Fisher of the weight, so that within a table's group the rows whose outputs move the loss most
+  pull the table towards their values. With every ``g_i`` equal it is exactly ``"input"`` (same ``p``):
+  the weights are normalised to mean 1 per matrix.
+
+(``p = importance_power``; an ``element_sq`` statistic, given for the embedding, replaces both.)
 
 Stored tensors, for a weight ``(O, I)`` with ``G = group_size`` and ``C = block_size or I``:
 
@@ -30,10 +37,14 @@ from .base import Quantizer, QuantizedWeight, doc_field, register_quantizer
 class PalettizeConfig:
     group_size: int = doc_field(16, "output rows that share one look-up table (AFM: 16)")
     block_size: int | None = doc_field(None, "input columns per table; None shares one table across the whole row")
-    weighted: bool = doc_field(True, "weight the k-means objective by per-input-channel importance E[x_j^2]")
+    weighted: bool = doc_field(True, "weight the k-means objective per element (see weighting)")
+    weighting: str = doc_field("input", "'input': weight E[x_j^2]**p; 'fisher': (g_i * E[x_j^2])**p with g_i the output-gradient moment (SqueezeLLM's diagonal Fisher; needs the backward calibration statistic out_grad_sq)")
     iters: int = doc_field(30, "Lloyd iterations (stops earlier once no assignment changes)")
     importance_power: float = doc_field(0.5, "k-means weight = importance**power; 0.5 measured best on true output error (1 over-fits the diagonal)")
     error_feedback: bool = doc_field(True, "after fitting the tables, assign codes column by column with GPTQ error feedback (needs the input Hessian)")
+
+
+WEIGHTINGS = ("input", "fisher")
 
 
 class SortedGroups:
@@ -97,8 +108,18 @@ def weighted_kmeans_1d(x: torch.Tensor, w: torch.Tensor, k: int, iters: int = 30
 class Palettize(Quantizer):
     name = "palettize"
     supported_bits = (2, 3, 4, 6, 8)
-    needs = frozenset({"input_sq", "hessian"})
     Config = PalettizeConfig
+
+    def __init__(self, config: PalettizeConfig | None = None, **params):
+        super().__init__(config, **params)
+        if self.config.weighting not in WEIGHTINGS:
+            raise QRecoverError(f"palettize weighting={self.config.weighting!r} is unknown; choose from {list(WEIGHTINGS)}")
+
+    @property
+    def needs(self) -> frozenset[str]:  # type: ignore[override]  # depends on the config
+        cfg = self.config
+        weights = ({"input_sq"} | ({"out_grad_sq"} if cfg.weighting == "fisher" else set())) if cfg.weighted else set()
+        return frozenset(weights | ({"hessian"} if cfg.error_feedback else set()))
 
     def _geometry(self, shape: tuple[int, int]) -> tuple[int, int]:
         out_f, in_f = shape
@@ -129,12 +150,7 @@ class Palettize(Quantizer):
             self.check(shape, bits)
         out_f, in_f = shape
         g, c = self._geometry(shape)
-        if self.config.weighted and ("element_sq" in stats or "input_sq" in stats):
-            imp = stats["element_sq"] if "element_sq" in stats else stats["input_sq"].expand(out_f, in_f)
-            imp = imp.float().clamp_min(0) ** self.config.importance_power
-            imp = imp / imp.mean().clamp_min(1e-30) + 1e-6  # never weight a value by exactly zero
-        else:
-            imp = torch.ones(out_f, in_f)
+        imp = self.importance(shape, stats)
         groups = SortedGroups(_to_groups(weight.detach().float(), g, c), _to_groups(imp, g, c))
         # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
         luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
@@ -144,6 +160,25 @@ class Palettize(Quantizer):
             all_codes = [_from_groups(groups.codes(groups.edges(lut)), out_f, in_f, g, c) for lut in luts]
         return [self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut.contiguous()})
                 for bits, lut, codes in zip(bits_list, luts, all_codes)]
+
+    def importance(self, shape: tuple[int, int], stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(O, I)`` k-means weights, mean 1 (see the module docstring); all ones when unweighted or
+        without statistics."""
+        out_f, in_f = shape
+        cfg = self.config
+        if not cfg.weighted or not ("element_sq" in stats or "input_sq" in stats):
+            return torch.ones(out_f, in_f)
+        if "element_sq" in stats:
+            imp = stats["element_sq"].float()
+        elif cfg.weighting == "fisher":
+            if "out_grad_sq" not in stats:
+                raise QRecoverError("palettize weighting='fisher' needs the 'out_grad_sq' statistic (output-gradient "
+                                    "moments from the backward calibration pass); use weighting='input' without it")
+            imp = stats["out_grad_sq"].float().clamp_min(0).unsqueeze(1) * stats["input_sq"].float().clamp_min(0)
+        else:
+            imp = stats["input_sq"].float().expand(out_f, in_f)
+        imp = imp.clamp_min(0) ** cfg.importance_power
+        return imp / imp.mean().clamp_min(1e-30) + 1e-6  # never weight a value by exactly zero
 
     @staticmethod
     def _assign_with_feedback(weight: torch.Tensor, hessian: torch.Tensor, luts: list[torch.Tensor], g: int, c: int

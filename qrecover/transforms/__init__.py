@@ -65,3 +65,5 @@ def get_transform(name: str, **params: Any) -> Transform:
 
 
 __all__ = ["QuantizeFn", "Transform", "get_transform", "register_transform", "transform_names"]
+
+from . import awq  # noqa: E402,F401  (registration side effect)
