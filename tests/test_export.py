@@ -41,15 +41,15 @@ def sym_ckpt(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def adapter(asym_ckpt, tmp_path_factory):
+def adapter(sym_ckpt, tmp_path_factory):
     torch.manual_seed(1)
-    model = attach_lora(load(asym_ckpt), rank=4)
+    model = attach_lora(load(sym_ckpt), rank=4)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.normal_(0, 0.05)
     out = tmp_path_factory.mktemp("adapter") / "lora"
-    save_adapter(model, out, base_identity(asym_ckpt), model.qrecover_manifest["parameters"]["model"])
+    save_adapter(model, out, base_identity(sym_ckpt), model.qrecover_manifest["parameters"]["model"])
     return out
 
 
@@ -178,13 +178,13 @@ def test_gguf_export_loads_in_transformers_with_the_checkpoints_logits_and_token
     assert tok.apply_chat_template(msgs, tokenize=False) == src.apply_chat_template(msgs, tokenize=False)
 
 
-def test_gguf_adapter_is_a_llama_cpp_lora_bound_to_the_exported_base(asym_ckpt, adapter, tmp_path):
+def test_gguf_adapter_is_a_llama_cpp_lora_bound_to_the_exported_base(sym_ckpt, adapter, tmp_path):
     import gguf
     from safetensors.torch import load_file
 
     from qrecover.io_utils import sha256_file
 
-    rep = export(asym_ckpt, "gguf", tmp_path / "g", adapter=adapter)
+    rep = export(sym_ckpt, "gguf", tmp_path / "g", adapter=adapter)
     path = tmp_path / "g" / "adapter" / "adapter.gguf"
     reader = gguf.GGUFReader(str(path))
     assert reader.fields["general.type"].contents() == "adapter"
@@ -208,7 +208,7 @@ def test_gguf_adapter_is_a_llama_cpp_lora_bound_to_the_exported_base(asym_ckpt, 
 
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(sym_ckpt, asym_ckpt, adapter, tmp_path, capsys, monkeypatch):
     out = tmp_path / "x"
-    code, _, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter], capsys)
+    code, _, err = run(["export", asym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter], capsys)
     assert code == 2 and "was trained on checkpoint" in _flat(err)
     assert not out.exists() and not list(tmp_path.iterdir())
     out.mkdir()
@@ -217,10 +217,101 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(sym_ckpt, asym_ckpt, ad
     out.rmdir()
     code, _, err = run(["export", sym_ckpt, "--format", "onnx", "--out", out], capsys)
     assert code == 2 and "gguf, compressed-tensors, coreml" in _flat(err)
-    code, _, err = run(["export", asym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter, "--merge-adapter"], capsys)
+    code, _, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter, "--merge-adapter"], capsys)
     assert code == 2 and "--merge-adapter is not available" in _flat(err)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "compressed_tensors" else real(name, *a))
     code, _, err = run(["export", sym_ckpt, "--format", "compressed-tensors", "--out", out], capsys)
     assert code == 2 and "pip install 'qrecover[export-ct]'" in _flat(err)
     assert not list(tmp_path.iterdir())
+
+
+# --- compressed-tensors -----------------------------------------------------------------------------------
+
+needs_ct = pytest.mark.skipif(not HAS_CT, reason="compressed-tensors is not installed (pip install 'qrecover[export-ct]')")
+
+
+def _ct_model(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model(input_ids=IDS[:, :2])  # compressed-tensors decompresses on the first forward
+    return model
+
+
+@needs_ct
+def test_compressed_tensors_export_loads_in_transformers_with_the_checkpoints_logits(sym_ckpt, tmp_path):
+    from safetensors import safe_open
+
+    rep = export(sym_ckpt, "compressed-tensors", tmp_path / "ct")
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    (group,) = qc["config_groups"].values()
+    assert group["weights"] == {**group["weights"], "num_bits": 4, "group_size": 64, "strategy": "group", "symmetric": True}
+    assert len(group["targets"]) == 14 and all(t.startswith("model.layers.") for t in group["targets"])
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_packed").get_dtype() == "I32"
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_dtype() == "F16"
+    assert rep["exact_layers"] == rep["total_layers"]
+    got, ref = _logits(_ct_model(tmp_path / "ct")), _logits(load(sym_ckpt))
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), float((got - ref).abs().max())
+
+
+@needs_ct
+def test_compressed_tensors_asymmetric_layers_decompress_to_the_checkpoint(asym_ckpt, tmp_path):
+    """Asymmetric layers: transformers 5.24 + compressed-tensors 0.20 cannot load them (upstream), so the
+    library's own decompressor reads the exported tensors back."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    export(asym_ckpt, "compressed-tensors", tmp_path / "ct")
+    qc = QuantizationConfig.model_validate(json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"])
+    state = load_file(str(tmp_path / "ct" / "model.safetensors"))
+    ckpt = read_checkpoint(asym_ckpt)
+    checked = 0
+    for scheme in qc.config_groups.values():
+        for name in scheme.targets:
+            # as transformers does when loading with dtype=float32: floating tensors (the fp16 scales) upcast
+            local = {k.removeprefix(name + "."): v.float() if v.is_floating_point() else v
+                     for k, v in state.items() if k.startswith(name + ".")}
+            assert "weight_zero_point" in local or scheme.weights.symmetric
+            w = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
+            assert torch.equal(w, ckpt.layers[name].dequantize()), name
+            checked += 1
+    assert checked == 14
+    assert torch.equal(state["model.embed_tokens.weight"], ckpt.layers["model.embed_tokens"].dequantize())
+
+
+@needs_ct
+def test_palettized_layers_are_refused_or_requantized_with_the_measured_loss(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "ct"
+    code, _, err = run(["export", tiny_ckpt, "--format", "compressed-tensors", "--out", out], capsys)
+    err = _flat(err)
+    assert code == 2 and "palettized layer(s) (model.layers.0." in err and "--requantize int4/g64" in err
+    assert not out.exists()
+    rep = export(tiny_ckpt, "compressed-tensors", out, requantize="int4/g64")
+    ckpt = read_checkpoint(tiny_ckpt)
+    model = _ct_model(out)
+    lossy = [n for n, v in rep["layers"].items() if not v["exact"]]
+    assert len(lossy) == 14
+    for n in lossy:
+        ref = ckpt.layers[n].dequantize().double()
+        rel = float((model.get_submodule(n).weight.double() - ref).norm() / ref.norm())
+        assert rel == pytest.approx(rep["layers"][n]["rel_error"], rel=1e-6) and 0 < rel < 0.2
+
+
+@needs_ct
+def test_exported_peft_adapter_on_the_exported_base_equals_the_adapter_on_qrecover_load(sym_ckpt, adapter, tmp_path):
+    from peft import PeftModel
+
+    from qrecover.io_utils import sha256_file
+
+    export(sym_ckpt, "compressed-tensors", tmp_path / "ct", adapter=adapter)
+    binding = json.loads((tmp_path / "ct" / "adapter" / "qrecover_adapter_binding.json").read_text())
+    assert binding["base"]["sha256"] == sha256_file(tmp_path / "ct" / "model.safetensors")
+    got = _logits(PeftModel.from_pretrained(_ct_model(tmp_path / "ct"), str(tmp_path / "ct" / "adapter")))
+    ref = _logits(load(sym_ckpt, adapter=adapter))
+    base = _logits(load(sym_ckpt))
+    assert (ref - base).abs().max() > 1e-2  # the adapter changes the output
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), float((got - ref).abs().max())

@@ -8,6 +8,7 @@ Each is written with the format's own library into a temporary directory moved i
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import time
 from pathlib import Path
@@ -71,6 +72,10 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
             base_file = tmp / report["file"]
             if adapter is not None:
                 shutil.copytree(adapter, tmp / ADAPTER_DIR)
+                cfg_path = tmp / ADAPTER_DIR / "adapter_config.json"
+                acfg = json.loads(cfg_path.read_text())
+                acfg["base_model_name_or_path"] = str(out.resolve())  # the exported base, where it will be
+                cfg_path.write_text(json.dumps(acfg, indent=2) + "\n")
                 report["adapter"] = {"dir": ADAPTER_DIR, "layout": "PEFT (adapter_config.json + adapter_model.safetensors)"}
         if adapter is not None:
             report["adapter"]["binding"] = write_binding(tmp / ADAPTER_DIR, Path(adapter), adapter_meta, base_file, checkpoint)
