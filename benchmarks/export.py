@@ -68,12 +68,12 @@ def main() -> None:
         base_ppl = ppl(model, tok)
         del model
         gc.collect()
-        params = manifest["parameters"]["model"]
         rows.append({"checkpoint": label, "format": "qrecover", "bytes": (ckpt / "model.safetensors").stat().st_size,
                      "bpw": manifest["measured_bpw"]["model"], "ppl": base_ppl, "ckpt_ppl": base_ppl,
                      "exact": "-", "rel_error": 0.0, "seconds": None})
-        for fmt in ("gguf", "compressed-tensors"):
-            if fmt == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is None:
+        formats = ["gguf", "compressed-tensors"] + (["coreml"] if spec["scheme"] == "palettize" else [])
+        for fmt in formats:
+            if importlib.util.find_spec({"compressed-tensors": "compressed_tensors", "coreml": "coremltools"}.get(fmt, "gguf")) is None:
                 continue
             dest = out / f"{label.replace(' ', '-')}.{fmt}"
             requant = "int4/g64" if (fmt == "compressed-tensors" and spec["scheme"] == "palettize") else None
@@ -83,12 +83,15 @@ def main() -> None:
                 rows.append({"checkpoint": label, "format": fmt, "note": str(e)})
                 continue
             row = {"checkpoint": label, "format": fmt + (f" (--requantize {requant})" if requant else ""),
-                   "bytes": (dest / rep["file"]).stat().st_size, "bpw": rep["bpw"], "ckpt_ppl": base_ppl,
+                   "bytes": sum(p.stat().st_size for p in (dest / rep["file"]).rglob("*") if p.is_file())
+                   if (dest / rep["file"]).is_dir() else (dest / rep["file"]).stat().st_size, "bpw": rep["bpw"], "ckpt_ppl": base_ppl,
                    "exact": f"{rep['exact_layers']}/{rep['total_layers']}", "rel_error": rep["total_rel_error"],
                    "seconds": rep["seconds"], "types": rep.get("types") or rep.get("config_groups")}
             try:
                 from transformers import AutoModelForCausalLM
 
+                if fmt == "coreml":
+                    raise RuntimeError("Core ML runs only on Apple devices")
                 if fmt == "gguf":
                     m = AutoModelForCausalLM.from_pretrained(dest, gguf_file=rep["file"], dtype=torch.float32)
                 else:

@@ -15,7 +15,6 @@ from qrecover.config import CompressConfig
 from qrecover.export import export
 from qrecover.export.common import integer_layout, read_checkpoint
 from qrecover.export.gguf_format import encode_q4, map_layer, row_permutation
-from qrecover.errors import QRecoverError
 from qrecover.recovery.lora import attach_lora, base_identity, save_adapter
 from qrecover.schemes import get_quantizer
 
@@ -315,3 +314,30 @@ def test_exported_peft_adapter_on_the_exported_base_equals_the_adapter_on_qrecov
     base = _logits(load(sym_ckpt))
     assert (ref - base).abs().max() > 1e-2  # the adapter changes the output
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), float((got - ref).abs().max())
+
+
+# --- Core ML ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
+                    reason="coremltools is not installed (pip install 'qrecover[export-coreml]')")
+def test_coreml_package_holds_the_checkpoints_own_tables_and_indices(tiny_ckpt, tmp_path):
+    """Palettized layers become per_grouped_channel LUTs: read back from the saved package, every group's
+    table and indices equal the checkpoint's (running the package needs an Apple device: not checked)."""
+    from qrecover.export.coreml import palettized_groups, read_tables
+
+    rep = export(tiny_ckpt, "coreml", tmp_path / "cm")
+    ckpt = read_checkpoint(tiny_ckpt)
+    tables = read_tables(tmp_path / "cm" / "model.mlpackage")
+    pal = [n for n, qw in ckpt.layers.items() if "lut" in qw.tensors]
+    assert len(pal) == 14 and len(tables) == len(pal)
+    for n in pal:
+        info = rep["layers"][n]
+        assert info["exact"]
+        lut, idx = tables[info["coreml"]]
+        g, ref_tables, codes = palettized_groups(ckpt.layers[n])
+        o, i = codes.shape
+        assert np.array_equal(lut.reshape(o // g, -1).astype(np.float16), ref_tables), n
+        assert np.array_equal(idx.reshape(o, i), codes), n
+    emb = rep["layers"]["model.embed_tokens"]
+    assert emb["type"] == "fp16" and 0 < emb["rel_error"] < 1e-3

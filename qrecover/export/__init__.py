@@ -53,8 +53,9 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
     spec = parse_requantize(requantize)
     _require(fmt)
     adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
-    if fmt == "coreml":
-        raise QRecoverError("--format coreml is not available yet; use --format gguf or compressed-tensors")
+    if fmt == "coreml" and adapter is not None:
+        raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
+                            "export the adapter with --format gguf or compressed-tensors")
     ckpt = read_checkpoint(checkpoint)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         if fmt == "gguf":
@@ -65,6 +66,11 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
             if adapter is not None:
                 (tmp / ADAPTER_DIR).mkdir()
                 report["adapter"] = export_gguf_adapter(Path(adapter), ckpt, tmp / ADAPTER_DIR)
+        elif fmt == "coreml":
+            from .coreml import export_coreml
+
+            report = export_coreml(ckpt, tmp, log)
+            base_file = tmp / report["file"]
         else:
             from .compressed_tensors import export_compressed_tensors
 
@@ -81,7 +87,8 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
             report["adapter"]["binding"] = write_binding(tmp / ADAPTER_DIR, Path(adapter), adapter_meta, base_file, checkpoint)
         report.update({"format": fmt, "checkpoint": str(checkpoint.resolve()),
                        "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())})
-        report["bpw"] = 8.0 * base_file.stat().st_size / ckpt.manifest["parameters"]["model"]
+        base_bytes = sum(p.stat().st_size for p in base_file.rglob("*") if p.is_file()) if base_file.is_dir() else base_file.stat().st_size
+        report["bpw"] = 8.0 * base_bytes / ckpt.manifest["parameters"]["model"]
         report["seconds"] = round(time.time() - t0, 1)
         write_meta(tmp, report)
     return report

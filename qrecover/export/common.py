@@ -144,12 +144,6 @@ def requantize(qw: QuantizedWeight, bits: int, group: int) -> tuple[QuantizedWei
     return new, relative_error(new.dequantize(torch.float32), dense)
 
 
-def checkpoint_identity(path: Path) -> dict[str, str]:
-    manifest = read_manifest(path)
-    return {"path": str(path.resolve()), "manifest_sha256": sha256_file(path / "qrecover.json"),
-            "weights_sha256": manifest["weights_file"]["sha256"]}
-
-
 def check_adapter(adapter: str | Path, checkpoint: Path) -> dict[str, Any]:
     """The adapter's qrecover metadata, after checking it was trained on ``checkpoint``."""
     from ..recovery.lora import check_base

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from .common import Checkpoint, integer_layout, layout_dequantize, relative_error, requantize
+from .common import Checkpoint, integer_layout, layout_dequantize, requantize
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -140,11 +140,3 @@ def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int]
             "config_groups": {k: {"targets": len(v.targets), "weights": v.weights.model_dump(exclude_none=True)}
                               for k, v in schemes.items()},
             "seconds": round(time.time() - t0, 1)}
-
-
-def reference_dequantize(lay) -> torch.Tensor:
-    """The layer as compressed-tensors describes it (for tests): ``s * (q' - zp')`` in float32."""
-    return layout_dequantize(lay)
-
-
-__all__ = ["export_compressed_tensors", "plan", "relative_error"]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import QRecoverError
-from .common import Checkpoint, integer_layout, layout_dequantize, relative_error
+from .common import Checkpoint, integer_layout, relative_error
 
 GGUF_FILE = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
@@ -232,7 +232,6 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     layers: dict[str, Any] = {}
     counts: dict[str, int] = {}
     err_num = err_den = 0.0
-    written: dict[str, tuple[Any, np.ndarray, torch.Tensor]] = {}
     for name, qw in ckpt.layers.items():
         m = map_layer(qw)
         data = m["data"]
@@ -252,7 +251,6 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
         counts[m["type"].name] = counts.get(m["type"].name, 0) + qw.numel
         layers[name] = {"gguf": gn, "type": m["type"].name, "exact": m["exact"], "rel_error": rel, "note": m["note"],
                         **({"exact_blocks": m["exact_blocks"]} if "exact_blocks" in m else {})}
-        written[name] = (m["type"], m["data"], ref)
         blocks = f" ({m['exact_blocks'][0]}/{m['exact_blocks'][1]} blocks exact)" if "exact_blocks" in m else ""
         log(f"  {name:<40} -> {gn:<26} {m['type'].name:<5} {'exact' if m['exact'] else f'rel. error {rel:.2e}'}{blocks}")
     for k, v in ckpt.remainder.items():
