@@ -31,12 +31,34 @@ PACKAGE = "model.mlpackage"
 
 
 class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module):
+    """``input_ids (1, seq) -> logits (1, seq, vocab)`` with a constant additive causal mask ``(1, 1, seq, seq)``:
+    given a 4-D mask transformers uses it as is instead of building one from ops coremltools cannot convert."""
+
+    def __init__(self, model: torch.nn.Module, seq: int):
         super().__init__()
         self.model = model
+        self.register_buffer("mask", torch.full((seq, seq), -1e4).triu(1).view(1, 1, seq, seq))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        return self.model(input_ids=input_ids, attention_mask=self.mask, use_cache=False).logits
+
+
+def _numpy2_int_cast() -> None:
+    """coremltools 9.0 converts ``int(tensor)`` of a constant 1-element array with ``int(array)``, which numpy 2
+    refuses for arrays of rank > 0; convert it from the array's single element instead (same result)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch import ops
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import register_torch_op
+
+    def int_(context, node):
+        x = ops._get_inputs(context, node, expected=1)[0]
+        if x.can_be_folded_to_const() and np.size(x.val) == 1 and np.ndim(x.val) > 0:
+            context.add(mb.const(val=int(np.asarray(x.val).reshape(-1)[0]), name=node.name), node.name)
+        else:
+            ops._int(context, node)
+
+    int_.__name__ = "int"
+    register_torch_op(int_, override=True)
 
 
 def palettized_groups(qw) -> tuple[int, np.ndarray, np.ndarray]:
@@ -56,8 +78,9 @@ def export_coreml(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     t0 = time.time()
+    _numpy2_int_cast()
     config = AutoConfig.from_pretrained(ckpt.path)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     state = {k: v.float() for k, v in ckpt.remainder.items()}
     for name, qw in ckpt.layers.items():
         state[f"{name}.weight"] = qw.dequantize(torch.float32)
@@ -65,7 +88,7 @@ def export_coreml(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     model.eval()
     seq = min(64, config.max_position_embeddings)
     with torch.no_grad():
-        traced = torch.jit.trace(_Logits(model), torch.zeros(1, seq, dtype=torch.long), check_trace=False)
+        traced = torch.jit.trace(_Logits(model, seq), torch.zeros(1, seq, dtype=torch.long), check_trace=False)
     mlmodel = ct.convert(traced, inputs=[ct.TensorType("input_ids", shape=(1, seq), dtype=np.int32)],
                          outputs=[ct.TensorType("logits")], convert_to="mlprogram",
                          minimum_deployment_target=ct.target.iOS18, compute_precision=ct.precision.FLOAT16)
