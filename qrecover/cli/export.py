@@ -16,6 +16,8 @@ EXAMPLES = """Examples:
   qrecover export out/smollm2-b4 --format compressed-tensors --out out/smollm2-b4-ct --adapter out/smollm2-b4-lora
 
   qrecover export out/smollm2-3.7bpw --format compressed-tensors --requantize int4/g64 --out out/smollm2-ct
+
+  qrecover export out/smollm2-3.7bpw --format coreml --out out/smollm2-coreml
 """
 
 
@@ -29,7 +31,7 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),
     json_out: bool = JsonOpt,
 ) -> None:
-    """Export a checkpoint to GGUF or compressed-tensors: exact where the format holds a layer, the loss measured where not."""
+    """Export a checkpoint to GGUF, compressed-tensors or Core ML: exact where the format holds a layer, the loss measured where not."""
     from rich.markup import escape
 
     from ..export import export as run

@@ -1,6 +1,7 @@
 """``qrecover export``: a checkpoint (and its recovery adapter) in a serving runtime's format.
 
-One file per format: :mod:`.gguf_format` (llama.cpp), :mod:`.compressed_tensors` (vLLM, transformers).
+One file per format: :mod:`.gguf_format` (llama.cpp), :mod:`.compressed_tensors` (vLLM, transformers),
+:mod:`.coreml` (Core ML).
 Each is written with the format's own library into a temporary directory moved into place at the end
 (:func:`qrecover.io_utils.atomic_dir`). See docs/export.md for what maps exactly and what is lossy.
 """
