@@ -54,7 +54,8 @@ def plan(ckpt: Checkpoint, spec: tuple[int, int] | None) -> tuple[dict[str, Any]
                         "note": f"{qw.scheme} {qw.bits}-bit re-quantized to int{spec[0]}/g{spec[1]}"}
     if refused:
         shown = ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
-        raise QRecoverError(f"compressed-tensors has no look-up-table type for {len(refused)} palettized layer(s) ({shown}); "
+        kinds = sorted({"palettized" if "lut" in ckpt.layers[n].tensors else ckpt.layers[n].scheme for n in refused})
+        raise QRecoverError(f"compressed-tensors has no type for {len(refused)} {'/'.join(kinds)} layer(s) ({shown}); "
                             "pass --requantize int4/g64 to re-quantize them (the loss is measured and reported), or use "
                             "--format gguf")
     return layouts, report
