@@ -12,6 +12,7 @@ from . import gate as _gate, report as _report
 from . import eval as _eval
 from . import finetune as _finetune, recover as _recover
 from . import pipeline as _pipeline
+from . import export as _export
 
 app = typer.Typer(
     name="qrecover",
@@ -29,6 +30,7 @@ app.command("eval", epilog=_eval.EXAMPLES)(_eval.eval_)
 app.command("report", epilog=_report.EXAMPLES)(_report.report)
 app.command("gate", epilog=_gate.EXAMPLES)(_gate.gate)
 app.command("pipeline", epilog=_pipeline.EXAMPLES)(_pipeline.pipeline)
+app.command("export", epilog=_export.EXAMPLES)(_export.export)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,95 @@
+"""``qrecover export``: a checkpoint (and its recovery adapter) in a serving runtime's format.
+
+One file per format: :mod:`.gguf_format` (llama.cpp), :mod:`.compressed_tensors` (vLLM, transformers),
+:mod:`.coreml` (Core ML).
+Each is written with the format's own library into a temporary directory moved into place at the end
+(:func:`qrecover.io_utils.atomic_dir`). See docs/export.md for what maps exactly and what is lossy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import QRecoverError
+from ..io_utils import atomic_dir
+from .common import check_adapter, parse_requantize, read_checkpoint, write_binding, write_meta
+
+FORMATS = ("gguf", "compressed-tensors", "coreml")
+ADAPTER_DIR = "adapter"
+_EXTRAS = {"compressed-tensors": ("compressed_tensors", "export-ct"), "coreml": ("coremltools", "export-coreml")}
+
+
+def _require(fmt: str) -> None:
+    if fmt in _EXTRAS:
+        module, extra = _EXTRAS[fmt]
+        if importlib.util.find_spec(module) is None:
+            raise QRecoverError(f"--format {fmt} needs the {module.replace('_', '-')} library: "
+                                f"pip install 'qrecover[{extra}]'")
+
+
+def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Path | None = None,
+           merge_adapter: bool = False, requantize: str | None = None, overwrite: bool = False,
+           log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Export ``checkpoint`` to ``fmt`` in the directory ``out``; return the report (also written as
+    ``qrecover_export.json`` in ``out``). ``adapter``: a recovery adapter of this checkpoint, exported beside the
+    base under ``out/adapter``. ``requantize`` (``'int4/g64'``): compressed-tensors only, converts layers the
+    format cannot hold, reporting the measured loss."""
+    t0 = time.time()
+    if fmt not in FORMATS:
+        raise QRecoverError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists() and not overwrite:
+        raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+    if merge_adapter:
+        raise QRecoverError("--merge-adapter is not available yet (it needs merging into quantized layers with their "
+                            "own encoding); export the adapter beside the base with --adapter instead")
+    if requantize is not None and fmt != "compressed-tensors":
+        raise QRecoverError(f"--requantize applies to --format compressed-tensors; --format {fmt} converts the layers it "
+                            "cannot hold by itself and reports the loss")
+    spec = parse_requantize(requantize)
+    _require(fmt)
+    adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
+    if fmt == "coreml" and adapter is not None:
+        raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
+                            "export the adapter with --format gguf or compressed-tensors")
+    ckpt = read_checkpoint(checkpoint)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        if fmt == "gguf":
+            from .gguf_format import export_gguf, export_gguf_adapter
+
+            report = export_gguf(ckpt, tmp, log)
+            base_file = tmp / report["file"]
+            if adapter is not None:
+                (tmp / ADAPTER_DIR).mkdir()
+                report["adapter"] = export_gguf_adapter(Path(adapter), ckpt, tmp / ADAPTER_DIR)
+        elif fmt == "coreml":
+            from .coreml import export_coreml
+
+            report = export_coreml(ckpt, tmp, log)
+            base_file = tmp / report["file"]
+        else:
+            from .compressed_tensors import export_compressed_tensors
+
+            report = export_compressed_tensors(ckpt, tmp, spec, log)
+            base_file = tmp / report["file"]
+            if adapter is not None:
+                shutil.copytree(adapter, tmp / ADAPTER_DIR)
+                cfg_path = tmp / ADAPTER_DIR / "adapter_config.json"
+                acfg = json.loads(cfg_path.read_text())
+                acfg["base_model_name_or_path"] = str(out.resolve())  # the exported base, where it will be
+                cfg_path.write_text(json.dumps(acfg, indent=2) + "\n")
+                report["adapter"] = {"dir": ADAPTER_DIR, "layout": "PEFT (adapter_config.json + adapter_model.safetensors)"}
+        if adapter is not None:
+            report["adapter"]["binding"] = write_binding(tmp / ADAPTER_DIR, Path(adapter), adapter_meta, base_file, checkpoint)
+        report.update({"format": fmt, "checkpoint": str(checkpoint.resolve()),
+                       "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())})
+        base_bytes = sum(p.stat().st_size for p in base_file.rglob("*") if p.is_file()) if base_file.is_dir() else base_file.stat().st_size
+        report["bpw"] = 8.0 * base_bytes / ckpt.manifest["parameters"]["model"]
+        report["seconds"] = round(time.time() - t0, 1)
+        write_meta(tmp, report)
+    return report

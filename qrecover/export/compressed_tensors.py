@@ -1,0 +1,143 @@
+"""compressed-tensors export (vLLM, transformers), written with the ``compressed-tensors`` library's own
+``pack-quantized`` compressor.
+
+An integer layer ``w = s * (q - zp)`` (codes ``q`` in ``[0, 2**b)``) is compressed-tensors' signed integer
+quantization with the same scales: ``q' = q - 2**(b-1)``, ``zp' = zp - 2**(b-1)`` (symmetric: no zero point),
+``w = s * (q' - zp')``. Blocks of ``B`` inputs are the ``group`` strategy with ``group_size = B``; one block
+per row is the ``channel`` strategy. Layers with different bits or groups go to different ``config_groups``,
+each with its layers' names as ``targets`` (mixed precision). The library quantizes the dequantized weight
+(float32) with the given scale and zero point, which reproduces the codes exactly (``w / s`` is an integer),
+and packs them. Scales are fp16 as in the checkpoint; norms stay fp16. The embedding is written dense in
+float32 (exact values): transformers cannot load a quantized ``nn.Embedding`` from compressed-tensors; a tied
+head stays tied.
+
+Asymmetric layers are written as the format specifies (zero points packed along the output dimension), but
+transformers 5.24 with compressed-tensors 0.19/0.20 cannot load them (its loader's meta-device compression
+leaves the zero point unpacked: a shape mismatch, the zero points re-initialised); they are checked here with
+the library's own decompressor instead. Symmetric layers round-trip through transformers.
+
+Palettized layers (look-up tables) have no compressed-tensors type: refused, or re-quantized with
+``--requantize intB/gG`` from the stored weights, the measured relative error reported per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import QRecoverError
+from .common import Checkpoint, integer_layout, layout_dequantize, requantize
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def plan(ckpt: Checkpoint, spec: tuple[int, int] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``({layer: IntegerLayout}, {layer: report})``: every layer as integers, re-quantized only where allowed."""
+    layouts, report = {}, {}
+    refused = []
+    for name, qw in ckpt.layers.items():
+        lay = integer_layout(qw)
+        if lay is not None:
+            layouts[name] = lay
+            report[name] = {"exact": True, "rel_error": 0.0, "scheme": f"int{lay.bits}/" + (
+                "channel" if lay.block == qw.shape[1] else f"g{lay.block}") + ("" if lay.symmetric else " asym")}
+            continue
+        if spec is None:
+            refused.append(name)
+            continue
+        new, rel = requantize(qw, *spec)
+        layouts[name] = integer_layout(new)
+        report[name] = {"exact": False, "rel_error": rel, "scheme": f"int{spec[0]}/g{spec[1]}",
+                        "note": f"{qw.scheme} {qw.bits}-bit re-quantized to int{spec[0]}/g{spec[1]}"}
+    if refused:
+        shown = ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+        kinds = sorted({"palettized" if "lut" in ckpt.layers[n].tensors else ckpt.layers[n].scheme for n in refused})
+        raise QRecoverError(f"compressed-tensors has no type for {len(refused)} {'/'.join(kinds)} layer(s) ({shown}); "
+                            "pass --requantize int4/g64 to re-quantize them (the loss is measured and reported), or use "
+                            "--format gguf")
+    return layouts, report
+
+
+def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] | None, log) -> dict[str, Any]:
+    """Write a transformers model directory with a compressed-tensors ``quantization_config`` into ``tmp``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 QuantizationStatus, apply_quantization_config)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    t0 = time.time()
+    layouts, report = plan(ckpt, spec)
+    config = AutoConfig.from_pretrained(ckpt.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty made new parameters
+    state = {k: v.float() for k, v in ckpt.remainder.items()}
+    # transformers cannot load a compressed-tensors quantized nn.Embedding: the embedding is written dense, in
+    # float32 (an 8-bit value scale * int needs up to 18 significant bits: fp16 would round it); a tied output
+    # projection stays tied to it
+    targets = {n: lay for n, lay in layouts.items() if ckpt.kind(n) != "embedding"}
+    for name, lay in layouts.items():
+        state[f"{name}.weight"] = layout_dequantize(lay)
+        if name not in targets:
+            report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq") and not (ckpt.tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise QRecoverError(f"checkpoint {str(ckpt.path)!r} does not match its config: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    model.model.rotary_emb.__init__(config)  # its non-persistent buffer is not in the state dict
+    dense = [m.weight for n, m in model.named_modules() if n in layouts and n not in targets]
+
+    groups: dict[tuple, list[str]] = {}
+    for name, lay in targets.items():
+        # one scale per row: the channel strategy (any row length); else groups of the block's size
+        channel = lay.block == lay.codes.shape[1] and ckpt.layers[name].params.get("block_size", 0) is None
+        groups.setdefault((lay.bits, 0 if channel else lay.block, lay.symmetric), []).append(name)
+    schemes = {}
+    for i, ((bits, block, sym), names) in enumerate(sorted(groups.items())):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="channel" if block == 0 else "group",
+                                group_size=None if block == 0 else block)
+        schemes[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args)
+    qconfig = QuantizationConfig(config_groups=schemes, format="pack-quantized",
+                                 quantization_status=QuantizationStatus.FROZEN)
+    apply_quantization_config(model, qconfig, show_progress=False)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, lay in targets.items():
+            mod = modules[name]
+            if not hasattr(mod, "weight_scale"):
+                raise QRecoverError(f"internal error: compressed-tensors did not initialise {name}")
+            half = 2 ** (lay.bits - 1)
+            mod.weight_scale.data = lay.scale.float().reshape(mod.weight_scale.shape).clone()
+            if hasattr(mod, "weight_zero_point"):
+                zp = (lay.zero_point.to(torch.int16) - half) if not lay.symmetric else torch.zeros_like(lay.zero_point, dtype=torch.int16)
+                mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape).clone()
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    compressor.remove_decompression_hook(model)
+    model.half()  # scales are fp16 numbers and the remaining tensors were stored in fp16: exact
+    for p, ref in zip(dense, [layout_dequantize(layouts[n]) for n in layouts if n not in targets]):
+        p.data = ref
+    model.config.dtype = torch.float16
+    model.save_pretrained(tmp)
+    compressor.update_config(str(tmp))
+    AutoTokenizer.from_pretrained(ckpt.path).save_pretrained(tmp)
+    if (ckpt.path / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(ckpt.path).save_pretrained(tmp)
+    for name, r in report.items():
+        log(f"  {name:<44} {r['scheme']:<16} {'exact' if r['exact'] else 'rel. error %.2e' % r['rel_error']}")
+    num = sum(r["rel_error"] ** 2 * ckpt.layers[n].dequantize().double().pow(2).sum().item()
+              for n, r in report.items() if not r["exact"] and n in ckpt.layers)
+    den = sum(ckpt.layers[n].dequantize().double().pow(2).sum().item() for n, r in report.items()
+              if not r["exact"] and n in ckpt.layers)
+    files = sorted(p.name for p in tmp.glob("*.safetensors"))
+    return {"file": files[0] if len(files) == 1 else WEIGHTS_FILE, "layers": report,
+            "exact_layers": sum(r["exact"] for r in report.values()), "total_layers": len(report),
+            "total_rel_error": (num / den) ** 0.5 if den else 0.0,
+            "config_groups": {k: {"targets": len(v.targets), "weights": v.weights.model_dump(exclude_none=True)}
+                              for k, v in schemes.items()},
+            "seconds": round(time.time() - t0, 1)}

@@ -1,0 +1,311 @@
+"""GGUF export (llama.cpp), written with the ``gguf`` library's :class:`gguf.GGUFWriter` and ``gguf.quants``.
+
+Which GGUF type holds which qrecover layer (blocks of 32 inputs; ``B`` the layer's block, a multiple of 32;
+a per-channel layer is one block of ``I``):
+
+- integer 4-bit symmetric, ``w = s * (q - 8)``: **Q4_0** is ``d * (q - 8)`` -- exact (``d = s``, the same codes).
+- integer 4-bit asymmetric, ``w = s * (q - zp)``: **Q4_1** is ``d * q + m`` with fp16 ``d``, ``m``: ``d = s``,
+  the same codes, ``m = -s * zp``. Exact for a block iff ``-s * zp`` is an fp16 number (it needs up to 15
+  significant bits, fp16 has 11); otherwise ``m`` is rounded to fp16, an error of at most half an fp16 ulp of
+  ``|m|`` on every weight of the block. The count of exact blocks and the measured error are reported.
+- integer 8-bit symmetric, ``w = s * (q - 128)``: **Q8_0** is ``d * int8`` -- exact (``d = s`` repeated in
+  every block of 32 of the row, ``int8 = q - 128``).
+- everything else (palettized look-up tables, 2/3-bit and 8-bit asymmetric integers, blocks not a multiple of
+  32): dequantized and re-quantized by ``gguf.quants`` to the smallest of Q4_1 / Q5_1 / Q8_0 with at least the
+  layer's bits (a palettized layer: one bit more, since a uniform grid needs more levels than a learned
+  table). The measured relative error of every such layer and the total are reported.
+
+The exact types' blocks are assembled from qrecover's own codes and scales (``gguf.quants`` quantizes only
+from floats, which would re-round); each is checked after writing against ``gguf.quants.dequantize``.
+Norms and other 16-bit tensors are written as F32 (exact). Llama's q/k rows are permuted as llama.cpp's
+converter does (transformers' GGUF loader undoes it). A tied output projection is not written (llama.cpp
+and transformers use ``token_embd``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import QRecoverError
+from .common import Checkpoint, integer_layout, relative_error
+
+GGUF_FILE = "model.gguf"
+ADAPTER_GGUF = "adapter.gguf"
+SUPPORTED_ARCH = {"LlamaForCausalLM": "llama"}
+_QK = 32
+
+
+def _gguf():
+    import gguf  # a core dependency; imported here to keep `import qrecover` light
+
+    return gguf
+
+
+def row_permutation(name: str, out_f: int, n_head: int, n_kv: int) -> np.ndarray | None:
+    """llama.cpp's q/k row order for Llama (rotary halves interleaved): an index array ``(out_f,)`` or None."""
+    if name.endswith("self_attn.q_proj"):
+        h = n_head
+    elif name.endswith("self_attn.k_proj"):
+        h = n_kv
+    else:
+        return None
+    idx = np.arange(out_f)
+    return idx.reshape(h, 2, out_f // h // 2).swapaxes(1, 2).reshape(out_f)
+
+
+def encode_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> np.ndarray:
+    """Q4_0 (``m`` None) or Q4_1 blocks from 4-bit codes ``(O, I)`` and per-32 fp16 ``d``, ``m`` ``(O, I/32)``.
+
+    Block bytes: ``d`` fp16, [``m`` fp16,] 16 bytes with code ``j`` in the low and ``j + 16`` in the high nibble.
+    Returns uint8 ``(O, I / 32 * type_size)``.
+    """
+    o, i = codes.shape
+    q = codes.numpy().astype(np.uint8).reshape(o, i // _QK, _QK)
+    qs = q[..., :16] | (q[..., 16:] << np.uint8(4))
+    parts = [d.numpy().astype(np.float16).view(np.uint8).reshape(o, i // _QK, 2)]
+    if m is not None:
+        parts.append(m.numpy().astype(np.float16).view(np.uint8).reshape(o, i // _QK, 2))
+    return np.concatenate([*parts, qs], axis=-1).reshape(o, -1)
+
+
+def encode_q8_0(values: torch.Tensor, d: torch.Tensor) -> np.ndarray:
+    """Q8_0 blocks from int8 values ``(O, I)`` and per-32 fp16 ``d`` ``(O, I/32)``: uint8 ``(O, I / 32 * 34)``."""
+    o, i = values.shape
+    x = values.numpy().astype(np.int8).view(np.uint8).reshape(o, i // _QK, _QK)
+    dd = d.numpy().astype(np.float16).view(np.uint8).reshape(o, i // _QK, 2)
+    return np.concatenate([dd, x], axis=-1).reshape(o, -1)
+
+
+def lossy_type(qw, layout) -> Any:
+    """The GGUF type a layer is re-quantized to: the smallest of Q4_1/Q5_1/Q8_0 with enough bits."""
+    t = _gguf().GGMLQuantizationType
+    need = qw.bits + (1 if layout is None and "lut" in qw.tensors else 0)
+    for bits, qt in ((4, t.Q4_1), (5, t.Q5_1), (8, t.Q8_0)):
+        if need <= bits:
+            return qt
+    return t.Q8_0
+
+
+def map_layer(qw) -> dict[str, Any]:
+    """How one layer is written: ``{type, exact, data (O, row bytes) uint8, rel_error, note, exact_blocks}``."""
+    gguf = _gguf()
+    t = gguf.GGMLQuantizationType
+    lay = integer_layout(qw)
+    if lay is not None and lay.block % _QK == 0:
+        rep = lay.block // _QK
+        s = lay.scale.repeat_interleave(rep, dim=1)
+        zp = lay.zero_point.repeat_interleave(rep, dim=1)
+        if lay.bits == 4 and lay.symmetric:
+            return {"type": t.Q4_0, "exact": True, "data": encode_q4(lay.codes, s, None), "rel_error": 0.0,
+                    "note": "integer 4-bit symmetric = Q4_0 (same codes and scales)"}
+        if lay.bits == 8 and lay.symmetric:
+            vals = lay.codes.to(torch.int16) - 128
+            return {"type": t.Q8_0, "exact": True, "data": encode_q8_0(vals, s), "rel_error": 0.0,
+                    "note": "integer 8-bit symmetric = Q8_0 (row scale repeated per block of 32)"}
+        if lay.bits == 4:
+            # two encodings hold the same values: (d, q, m) = (s, q, -s*zp) or (-s, 15 - q, s*(15 - zp)); per
+            # block the one whose m is an fp16 number is exact (m needs up to 15 significant bits)
+            sf, zf = s.float(), zp.float()
+            m_a, m_b = -(sf * zf), sf * (15.0 - zf)  # exact in float32
+            ok_a, ok_b = m_a.half().float() == m_a, m_b.half().float() == m_b
+            flip = ~ok_a & ok_b
+            d = torch.where(flip, -sf, sf).half()
+            m16 = torch.where(flip, m_b, m_a).half()
+            codes = torch.where(flip.repeat_interleave(_QK, dim=1), 15 - lay.codes, lay.codes)
+            exact_blocks, n_blocks = int((ok_a | ok_b).sum()), m_a.numel()
+            return {"type": t.Q4_1, "exact": exact_blocks == n_blocks, "data": encode_q4(codes, d, m16),
+                    "exact_blocks": [exact_blocks, n_blocks],
+                    "note": f"integer 4-bit asymmetric -> Q4_1 (same codes and scales; m = -scale*zp, or the mirrored "
+                            f"codes with m = scale*(15-zp)): {exact_blocks}/{n_blocks} blocks exact, the rest with m "
+                            "rounded to fp16"}
+    dense = qw.dequantize(torch.float32)
+    qt = lossy_type(qw, lay)
+    data = gguf.quants.quantize(dense.numpy(), qt)
+    what = "palettized" if "lut" in qw.tensors else f"{qw.scheme} {qw.bits}-bit"
+    return {"type": qt, "exact": False, "data": data, "note": f"{what} has no exact GGUF type: re-quantized to {qt.name}"}
+
+
+def _rope_theta(cfg) -> float:
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def _source_pre(ckpt: Checkpoint) -> str:
+    """``tokenizer.ggml.pre`` of the GGUF the checkpoint was compressed from, when it came from one; else 'default'."""
+    gguf = _gguf()
+    src = Path(ckpt.manifest.get("source", {}).get("path") or "")
+    cands = [src] if src.suffix == ".gguf" else []
+    if (src / "SOURCE.json").is_file():
+        cands.append(Path(json.loads((src / "SOURCE.json").read_text()).get("gguf", "")))
+    for c in cands:
+        if c.is_file():
+            field = gguf.GGUFReader(str(c)).fields.get("tokenizer.ggml.pre")
+            if field is not None:
+                return str(field.contents())
+    return "default"
+
+
+def add_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> dict[str, Any]:
+    """Tokens, types, merges, special ids and chat template, as llama.cpp's converter writes a GPT-2 BPE vocabulary."""
+    gguf = _gguf()
+    from transformers import AutoTokenizer
+
+    tj = ckpt.path / "tokenizer.json"
+    if not tj.is_file() or json.loads(tj.read_text())["model"]["type"] != "BPE":
+        raise QRecoverError(f"{ckpt.path} has no byte-level BPE tokenizer.json: GGUF export writes GPT-2 style BPE "
+                            "vocabularies only (SentencePiece is not supported yet)")
+    tok = AutoTokenizer.from_pretrained(ckpt.path)
+    added = {i: a for i, a in tok.added_tokens_decoder.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i < len(tok):
+            tokens.append(tok.convert_ids_to_tokens(i))
+            types.append(gguf.TokenType.CONTROL if i in added and added[i].special else
+                         gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    pre = _source_pre(ckpt)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(ckpt.path, load_merges=True, n_vocab=vocab_size)
+    special.add_to_gguf(writer, quiet=True)
+    template = special.chat_template
+    if template is None and getattr(tok, "chat_template", None):
+        template = tok.chat_template
+        writer.add_chat_template(template)
+    return {"tokens": len(tokens), "merges": len(special.merges), "pre": pre, "chat_template": template is not None}
+
+
+def _arch_config(ckpt: Checkpoint):
+    from transformers import AutoConfig
+
+    arch = ckpt.manifest.get("architecture")
+    if arch not in SUPPORTED_ARCH:
+        raise QRecoverError(f"GGUF export supports {sorted(SUPPORTED_ARCH)} checkpoints; {str(ckpt.path)!r} is {arch!r}. "
+                            "Use --format compressed-tensors")
+    return AutoConfig.from_pretrained(ckpt.path)
+
+
+def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
+    """Write ``tmp/model.gguf``; return the per-layer report."""
+    gguf = _gguf()
+    t0 = time.time()
+    cfg = _arch_config(ckpt)
+    n_layers, n_head = cfg.num_hidden_layers, cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+
+    def gname(hf: str) -> str:
+        base, _, suffix = hf.rpartition(".")
+        mapped = names.get_name(base)
+        if mapped is None:
+            raise QRecoverError(f"tensor {hf!r} has no GGUF name for a Llama model; this checkpoint cannot be exported to GGUF")
+        return f"{mapped}.{suffix}"
+
+    writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(Path(ckpt.manifest.get("source", {}).get("name") or ckpt.path.name).name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(_rope_theta(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokenizer = add_tokenizer(writer, ckpt, cfg.vocab_size)
+
+    layers: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    err_num = err_den = 0.0
+    for name, qw in ckpt.layers.items():
+        m = map_layer(qw)
+        data = m["data"]
+        perm = row_permutation(name, qw.shape[0], n_head, n_kv)
+        if perm is not None:
+            data = data[perm]
+        gn = gname(f"{name}.weight")
+        writer.add_tensor(gn, np.ascontiguousarray(data), raw_dtype=m["type"])
+        # what a reader gets back, in the checkpoint's row order, against the checkpoint's weight
+        back = torch.from_numpy(gguf.quants.dequantize(m["data"], m["type"]).copy())
+        ref = qw.dequantize(torch.float32)
+        rel = relative_error(back, ref)
+        if m["exact"] and not torch.equal(back, ref):
+            raise QRecoverError(f"internal error: {name} was mapped exactly to {m['type'].name} but does not read back equal")
+        err_num += float((back.double() - ref.double()).pow(2).sum())
+        err_den += float(ref.double().pow(2).sum())
+        counts[m["type"].name] = counts.get(m["type"].name, 0) + qw.numel
+        layers[name] = {"gguf": gn, "type": m["type"].name, "exact": m["exact"], "rel_error": rel, "note": m["note"],
+                        **({"exact_blocks": m["exact_blocks"]} if "exact_blocks" in m else {})}
+        blocks = f" ({m['exact_blocks'][0]}/{m['exact_blocks'][1]} blocks exact)" if "exact_blocks" in m else ""
+        log(f"  {name:<40} -> {gn:<26} {m['type'].name:<5} {'exact' if m['exact'] else f'rel. error {rel:.2e}'}{blocks}")
+    for k, v in ckpt.remainder.items():
+        writer.add_tensor(gname(k), v.float().numpy())
+    main = max(counts, key=counts.get)
+    ftype = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+             "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[main]
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    total = (err_num / err_den) ** 0.5 if err_den else 0.0
+    return {"file": GGUF_FILE, "layers": layers, "types": counts, "tokenizer": tokenizer,
+            "exact_layers": sum(v["exact"] for v in layers.values()), "total_layers": len(layers),
+            "total_rel_error": total, "seconds": round(time.time() - t0, 1)}
+
+
+def export_gguf_adapter(adapter: Path, ckpt: Checkpoint, tmp: Path) -> dict[str, Any]:
+    """A llama.cpp LoRA GGUF (``general.type = adapter``) of a PEFT adapter: ``<base tensor>.lora_a/.lora_b``."""
+    gguf = _gguf()
+    from safetensors import safe_open
+
+    cfg = _arch_config(ckpt)
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    if acfg.get("use_rslora") or acfg.get("use_dora"):
+        raise QRecoverError(f"adapter {str(adapter)!r} uses rsLoRA/DoRA, which llama.cpp's LoRA GGUF cannot express")
+    n_head = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(tmp / ADAPTER_GGUF), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(acfg["lora_alpha"]))
+    n = 0
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        for k in sorted(f.keys()):
+            layer = k.removeprefix("base_model.model.")
+            for part, suffix in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+                if layer.endswith(part):
+                    mod = layer[: -len(part)]
+                    mapped = names.get_name(mod)
+                    if mapped is None:
+                        raise QRecoverError(f"adapter tensor {k!r} targets {mod!r}, which has no GGUF name")
+                    t = f.get_tensor(k).float()
+                    if suffix == "lora_b" and (perm := row_permutation(mod, t.shape[0], n_head, n_kv)) is not None:
+                        t = t[torch.from_numpy(perm)]
+                    writer.add_tensor(f"{mapped}.weight.{suffix}", t.numpy().astype(np.float32))
+                    n += 1
+                    break
+            else:
+                raise QRecoverError(f"adapter tensor {k!r} is not a LoRA A/B matrix; llama.cpp LoRA GGUF holds only those")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"file": ADAPTER_GGUF, "tensors": n, "alpha": float(acfg["lora_alpha"]), "rank": int(acfg["r"])}
