@@ -106,10 +106,33 @@ def toml_value(v: Any) -> str:
     raise QRecoverError(f"cannot write {v!r} to TOML (types: string, number, boolean, list, table)")
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path``, then rename it into place (never half-written)."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` (ending in ``suffix``, for writers that pick the format by it);
+    rename it onto ``path`` only if the block succeeds. A crash or Ctrl-C removes it: ``path`` is absent,
+    untouched, or complete, never half-written. Concurrent writers of the same ``path`` do not collide."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)

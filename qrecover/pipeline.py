@@ -53,7 +53,7 @@ from typing import Any
 
 from . import __version__
 from .errors import QRecoverError
-from .io_utils import read_toml, toml_value, write_text_atomic
+from .io_utils import read_toml, toml_value, write_bytes_atomic, write_text_atomic
 from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
 from .schemes.base import doc_field
 
@@ -613,9 +613,7 @@ def _write_marker(s: Stage, plan: Plan, started: float, output: dict[str, Any]) 
               "config": s.config, "qrecover": __version__, "seconds": s.seconds,
               "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
               "finished": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"), "output": output}
-    tmp = s.dir / f".{STAGE_FILE}.tmp"
-    tmp.write_text(json.dumps(marker, indent=1, default=str) + "\n")
-    os.replace(tmp, s.dir / STAGE_FILE)  # the stage is complete from here on
+    write_text_atomic(s.dir / STAGE_FILE, json.dumps(marker, indent=1, default=str) + "\n")  # complete from here on
 
 
 def publish(plan: Plan) -> list[str]:
@@ -634,10 +632,7 @@ def publish(plan: Plan) -> list[str]:
         target = dst / rel_dst
         if target.is_file() and target.read_bytes() == data:
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        write_bytes_atomic(target, data)
         changed.append(rel_dst)
     keep = {Path(r).name for r in files.values() if r.startswith("results/")}
     for old in sorted((dst / "results").glob("*.json")) if (dst / "results").is_dir() else []:

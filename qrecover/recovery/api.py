@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file
+from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
 from .config import RecoverConfig
@@ -167,9 +167,7 @@ def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def _finish(peft_model, out: Path, cfg: RecoverConfig, checkpoint: Path, summary: dict[str, Any], loader: Any,

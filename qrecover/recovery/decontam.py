@@ -49,7 +49,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file
+from ..io_utils import atomic_file, cache_dir, sha256_file
 from .chat import chat_text
 from .documents import split_files
 
@@ -363,10 +362,8 @@ def build_index(sets: Iterable[str | EvalSet] | None = None, settings: DecontamS
               "item_n_small": np.asarray(n_small, np.int32), "item_set": np.asarray(item_set, np.int16),
               "item_ids": np.asarray(item_ids, dtype=str), "n_allowed": np.asarray(len(allowed))}
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        with atomic_file(path, suffix=".npz") as tmp:  # np.savez appends .npz to other names
+            np.savez(tmp, **arrays)
     return DecontamIndex(arrays, settings, names, key)
 
 

@@ -550,10 +550,7 @@ class MixLoader:
         info = {"documents": n_docs, "unique_tokens": tokens, "unique_loss_tokens": loss,
                 "decontamination": report.to_dict() if report is not None else None}
         if key is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**info, "cuts": cuts}))
-            os.replace(tmp, path)
+            write_text_atomic(path, json.dumps({**info, "cuts": cuts}))
         return {**info, "_cuts": cuts}
 
     def plan(self) -> list[dict[str, Any]]:

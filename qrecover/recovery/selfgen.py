@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file, sha256_files
+from ..io_utils import cache_dir, sha256_file, sha256_files, write_text_atomic
 from ..models import DEFAULT_MODEL, load_model, resolve
 from ..progress import steps
 from .documents import text_docs
@@ -310,9 +310,7 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     folder.mkdir(parents=True, exist_ok=True)
     for target, text in ((path.with_suffix(".json"), json.dumps(meta, indent=1)),
                          (path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))):  # the jsonl last
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, target)
+        write_text_atomic(target, text)
     return path
 
 

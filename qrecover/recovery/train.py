@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import pickle
 import random
 import resource
@@ -33,6 +32,7 @@ import torch.nn as nn
 from rich.progress import TextColumn
 
 from ..errors import QRecoverError
+from ..io_utils import atomic_file
 from ..progress import progress
 from ..qlinear import QuantLinear
 from .config import RecoverConfig
@@ -124,10 +124,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def _save_checkpoint(path: Path, state: dict[str, Any], keep: int = 2) -> None:
     """Write atomically (temp file + rename), then drop all but the newest ``keep`` checkpoints."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(state, tmp)
     for old in sorted(path.parent.glob("step-*.pt"))[:-keep]:
         old.unlink()
 

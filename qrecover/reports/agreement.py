@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir
+from ..io_utils import cache_dir, write_text_atomic
 
 
 def token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -126,13 +124,5 @@ def load_answers(key: dict[str, Any]) -> list[int] | None:
 def store_answers(key: dict[str, Any], answers: Sequence[int]) -> Path:
     """Cache ``answers`` under ``key``, atomically (write a temporary file, then rename)."""
     path = _answers_file(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "answers": [int(a) for a in answers]}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps({"key": key, "answers": [int(a) for a in answers]}))
     return path

@@ -42,7 +42,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file, sha256_files
+from ..io_utils import atomic_file, cache_dir, sha256_file, sha256_files, write_text_atomic
 from . import ifeval_offline
 from .results import Adapter, MeasuredBpw, Metric, Results, RunInfo
 from .tasks import TASKS_DIR
@@ -273,12 +272,7 @@ def _write_once(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` unless it already holds it (same name = same content), atomically."""
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text)
 
 
 def read_task_yaml(path: Path) -> dict[str, Any]:
@@ -737,13 +731,6 @@ def save_results(results: Results, path: str | Path, overwrite: bool = False) ->
     path = Path(path)
     if path.exists() and not overwrite:
         raise QRecoverError(f"results file {str(path)!r} already exists; pass --overwrite to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         results.save(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
