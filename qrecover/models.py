@@ -169,6 +169,20 @@ def resolve(spec: str | None) -> tuple[Path, str]:
     return p, "hf"
 
 
+def weights_sha256(path: str | Path, kind: str) -> str:
+    """The hash that identifies an unquantized model's weights (``kind`` from :func:`resolve`): the sha256 of a
+    ``.gguf`` file, or one hash over a directory's ``*.safetensors`` (else ``*.bin``) files. What
+    :func:`load_model` records, compress writes to a manifest's ``source.weights_sha256``, evaluation checks a
+    reference by and the pipeline and self-generated data are keyed by."""
+    path = Path(path)
+    if kind == "gguf":
+        return sha256_file(path)
+    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not weights:
+        raise QRecoverError(f"model {str(path)!r} has no *.safetensors or *.bin weights to hash; pass a complete model directory")
+    return sha256_files(weights)
+
+
 def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
     """Load an unquantized causal LM in fp32 for compression or evaluation: ``(model, tokenizer, source)``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -178,7 +192,7 @@ def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
         raise QRecoverError(f"{str(path)!r} is already a qrecover checkpoint; pass the original model instead")
     if kind == "gguf":
         model, tok = _load_gguf(path)
-        digest, name = sha256_file(path), path.stem
+        digest, name = weights_sha256(path, kind), path.stem
     else:
         config = AutoConfig.from_pretrained(path)
         arch = getattr(config, "architectures", None)
@@ -192,8 +206,7 @@ def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
                 f"{sorted(loading['missing_keys'])[:3]}; pass a model saved with its causal-LM head"
             )
         tok = AutoTokenizer.from_pretrained(path)
-        weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-        digest = sha256_files(weights) if weights else "unknown"
+        digest = weights_sha256(path, kind)
         name = DEFAULT_MODEL if kind == "default" else path.name
     model.eval()
     return model, tok, ModelSource(str(path.resolve()), kind, digest, name)

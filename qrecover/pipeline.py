@@ -378,19 +378,13 @@ def stage_key(kind: str, config: dict[str, Any], inputs: dict[str, str]) -> str:
 
 def model_sha256(spec: str | None) -> str:
     """The weights hash of an unquantized model, as :func:`qrecover.models.load_model` records it."""
-    from .io_utils import sha256_file, sha256_files
-    from .models import resolve
+    from .models import resolve, weights_sha256
 
     path, kind = resolve(spec)
     if kind == "qrecover":
         raise QRecoverError(f"model {spec!r} is a qrecover checkpoint; the recipe's model is the unquantized model "
                             "the pipeline compresses (an HF directory, a .gguf, or \"\" for the default)")
-    if kind == "gguf":
-        return sha256_file(path)
-    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    if not weights:
-        raise QRecoverError(f"model {str(path)!r} has no *.safetensors or *.bin weights to hash")
-    return sha256_files(weights)
+    return weights_sha256(path, kind)
 
 
 def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -20,6 +20,7 @@ import torch
 
 from cli_helpers import run as _run
 from qrecover.errors import QRecoverError
+from qrecover.models import weights_sha256
 from qrecover.reports import agreement, eval as ev
 from qrecover.reports.results import Metric, load_results
 from qrecover.reports.table import check_comparable
@@ -76,7 +77,7 @@ def test_original_run(original, tiny_model_dir):
     assert r.metrics["kl"].value == 0.0 and r.metrics["mmlu_flips"].value == 0.0
     # the report normalises them against their zero baseline: exp(-KL) and 1 - flips
     assert r.metrics["kl"].scale == "nats" and r.metrics["mmlu_flips"].scale == "fraction"
-    assert r.metrics["kl"].settings["reference_sha256"] == ev.weights_sha256(tiny_model_dir, "hf")
+    assert r.metrics["kl"].settings["reference_sha256"] == weights_sha256(tiny_model_dir, "hf")
     assert 0 <= r.metrics["mmlu"].value <= 1 and r.metrics["ppl"].value > 1
 
 

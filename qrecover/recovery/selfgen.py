@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from ..io_utils import cache_dir, sha256_file, sha256_files, write_text_atomic
-from ..models import DEFAULT_MODEL, load_model, resolve
+from ..io_utils import cache_dir, write_text_atomic
+from ..models import DEFAULT_MODEL, load_model, resolve, weights_sha256
 from ..progress import steps
 from .documents import text_docs
 
@@ -155,10 +155,7 @@ def _weights_sha(model: Any) -> tuple[str, str]:
     if kind == "qrecover":
         raise QRecoverError(f"{str(path)!r} is a compressed checkpoint; self-generated data must come from the "
                             "unquantized instruct model: pass the original model")
-    if kind == "gguf":
-        return sha256_file(path), path.stem
-    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    return (sha256_files(weights) if weights else "unknown"), (DEFAULT_MODEL if kind == "default" else path.name)
+    return weights_sha256(path, kind), (path.stem if kind == "gguf" else DEFAULT_MODEL if kind == "default" else path.name)
 
 
 def _clean_prompt(text: str) -> str:

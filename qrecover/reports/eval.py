@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QRecoverError
-from ..io_utils import atomic_file, cache_dir, sha256_file, sha256_files, write_text_atomic
+from ..io_utils import atomic_file, cache_dir, sha256_file, write_text_atomic
+from ..models import DEFAULT_MODEL, resolve, weights_sha256
 from . import ifeval_offline
 from .results import Adapter, MeasuredBpw, Metric, Results, RunInfo
 from .tasks import TASKS_DIR
@@ -486,16 +487,6 @@ def extra_tasks(lm: Any, cfg: EvalConfig, names: list[str], show: Any) -> dict[s
 # --- the evaluated model and its reference --------------------------------------------------------------
 
 
-def weights_sha256(path: str | Path, kind: str) -> str:
-    """The hash :func:`qrecover.models.load_model` records for an original model (and compress puts in a
-    checkpoint manifest's ``source.weights_sha256``)."""
-    path = Path(path)
-    if kind == "gguf":
-        return sha256_file(path)
-    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    return sha256_files(weights) if weights else "unknown"
-
-
 @dataclass
 class Reference:
     """The unquantized model the agreement metrics compare against."""
@@ -507,8 +498,6 @@ class Reference:
 
 def find_reference(cfg: EvalConfig, model: Any, info: dict[str, Any]) -> Reference:
     """``--reference``, else the checkpoint manifest's source, else (an original model) the model itself."""
-    from ..models import resolve
-
     def sha_of(spec: str) -> str:
         path, kind = resolve(spec)
         if kind == "qrecover":
@@ -706,7 +695,6 @@ def mmlu_flips(cfg: EvalConfig, ref: Reference, answers: list[int], reference: t
 
 
 def run_info(cfg: EvalConfig, info: dict[str, Any], manifest: dict[str, Any] | None) -> RunInfo:
-    from ..models import DEFAULT_MODEL
 
     adapter = info.get("adapter")
     if manifest is None:
