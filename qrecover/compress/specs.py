@@ -130,6 +130,17 @@ def parse_encoding(text: str, defaults: dict[str, Any] | None = None, what: str 
     return make_encoding(scheme, bits, params, transforms, label=spec)
 
 
+def parse_params(items: list[str], what: str = "--scheme-param") -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: value}`` (values as in specs: int, float, true/false, none, text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise QRecoverError(f"{what} {item!r} must be KEY=VALUE, e.g. {what} group_size=8")
+        out[key.strip()] = _value(raw.strip())
+    return out
+
+
 def parse_encodings(text: str, defaults: dict[str, Any] | None = None, what: str = "--encodings") -> list[Encoding]:
     """A comma-separated list of specs -> encodings (duplicates dropped, order kept). ``defaults``: parameters
     applied to every spec whose scheme has that field (``--scheme-param``); a default no spec can take is an error."""
@@ -211,5 +222,5 @@ def embedding_encodings(mode: str, encodings: str | None, budgeted: bool) -> lis
     return [e for e in LEGACY_EMBEDDING if e.bits == int(mode)]
 
 
-__all__ = ["Encoding", "GRAMMAR", "LEGACY_EMBEDDING", "EXTRA_EMBEDDING", "embedding_encodings", "format_encoding",
+__all__ = ["Encoding", "GRAMMAR", "parse_params", "LEGACY_EMBEDDING", "EXTRA_EMBEDDING", "embedding_encodings", "format_encoding",
            "linear_encodings", "make_encoding", "parse_encoding", "parse_encodings"]

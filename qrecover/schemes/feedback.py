@@ -20,7 +20,7 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01) -> torch.T
     h.diagonal().add_(damp * h.diagonal().mean())
     lower = torch.linalg.cholesky(h)
     # H^-1 = L^-T L^-1 (torch.cholesky_inverse is the same maths but many times slower on some CPU builds)
-    lower_inv = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype), upper=False)
+    lower_inv = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype, device=h.device), upper=False)
     return torch.linalg.cholesky(lower_inv.T @ lower_inv, upper=True).float()
 
 
@@ -36,7 +36,7 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor,
     wt = weight.detach().float().T.contiguous()  # (in, out)
     in_f, out_f = wt.shape
     u = inverse_hessian_factor(hessian, damp)
-    codes = torch.empty(in_f, out_f, dtype=torch.long)
+    codes = torch.empty(in_f, out_f, dtype=torch.long, device=wt.device)
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         wb = wt[b0:b1].clone()
