@@ -38,30 +38,101 @@ def progress() -> Progress:
 
 
 def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True,
-                   device: torch.device | str = "cpu") -> dict:
+                   device: torch.device | str = "cpu", layerwise: bool | None = None) -> dict:
     """Backward passes over ``windows (n, seq_len)``; see the module docstring. Returns a dict:
 
     ``out_grad_sq``: ``{linear name: (out,)}`` for every linear in the decoder layers;
     ``head``: ``{"out_grad_sq": (vocab,), "hessian": (hidden, hidden)}`` of the output matrix;
     ``emb_fisher``: ``(vocab, hidden)``; ``loss``: mean next-token loss; ``tokens``: count. All on CPU.
 
-    ``device``: where the passes run. This pass holds the whole model there (for the few seconds it takes);
-    the layer-sequential stages hold one decoder layer at a time.
+    ``device``: where the passes run. On the CPU the whole model runs forward and backward per window. On
+    another device (CUDA) ``layerwise`` is the default: one decoder layer on the device at a time, forward
+    through every layer (keeping each layer's input), then backward layer by layer from the loss; the same
+    statistics (``layerwise`` needs the model's final norm, found as ``<base model>.norm``; without one the
+    whole model is moved to the device for the pass).
     """
+    layerwise = torch.device(device).type != "cpu" if layerwise is None else layerwise
+    if layerwise and _final_norm(model) is not None:
+        return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)))
     home = next(model.parameters()).device
     model.to(device)
     try:
-        return _gradient_stats(model, windows.to(device), show_progress)
+        return _gradient_stats(model, windows.to(device), show_progress, None)
     finally:
         model.to(home)
 
 
-def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool) -> dict:
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    norm = getattr(base, "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def _layerwise_step(model: nn.Module, device: torch.device):
+    """One window's forward and backward with one decoder layer on ``device`` at a time; the embedding runs
+    where the model is (CPU), the final norm and output matrix on ``device``. Returns the summed loss."""
+    layers = decoder_layers(model)
+    norm, head = _final_norm(model), model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        captured: dict[str, tuple] = {}
+
+        def catch(_m, args, kwargs):
+            captured["x"] = (args, kwargs)
+            raise _Stop
+
+        h = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+        try:
+            model(input_ids=ids, use_cache=False)  # up to the first layer: the embedding keeps its graph
+        except _Stop:
+            pass
+        finally:
+            h.remove()
+        args, kw = captured["x"]
+        x0 = args[0] if args else kw.pop("hidden_states")
+        kw = to_device(kw, device)
+        inputs = []
+        x = x0.detach().to(device)
+        with torch.no_grad():
+            for layer in layers:
+                layer.to(device)
+                inputs.append(x)
+                y = layer(x, **kw)
+                x = y[0] if isinstance(y, tuple) else y
+                layer.to("cpu")
+        norm.to(device)
+        head.to(device)  # (a tied output matrix is the embedding's: moved back below before the next window)
+        try:
+            last = x.detach().requires_grad_(True)
+            logits = head(norm(last))
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:].to(device), reduction="sum")
+            loss.backward()
+        finally:
+            norm.to("cpu")
+            head.to("cpu")
+        g = last.grad
+        for layer, x in zip(reversed(layers), reversed(inputs)):
+            layer.to(device)
+            try:
+                xi = x.detach().requires_grad_(True)
+                y = layer(xi, **kw)
+                (y[0] if isinstance(y, tuple) else y).backward(g)
+                g = xi.grad
+            finally:
+                layer.to("cpu")
+        x0.backward(g.to(x0.device))
+        return loss.detach()
+    return step
+
+
+def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool, step) -> dict:
     layers = decoder_layers(model)
     lin = {f"{module_name(model, layers)}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     acc: dict[str, torch.Tensor] = {}
-    ids_now: list[torch.Tensor] = []
     hooks = []
 
     def add(key: str, value: torch.Tensor) -> None:
@@ -70,7 +141,8 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
 
     def grad_sq_hook(key: str):
         def fwd(_m, _inp, out):
-            out.register_hook(lambda g: add(key, g.reshape(-1, g.shape[-1]).square().sum(0)))
+            if out.requires_grad:  # (the layer-wise pass's first, gradient-free forward is skipped)
+                out.register_hook(lambda g: add(key, g.reshape(-1, g.shape[-1]).square().sum(0)))
         return fwd
 
     for name, m in lin.items():
@@ -84,10 +156,10 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
     def emb_hook(_m, inp, out):
         ids = inp[0].reshape(-1)
 
-        def on_grad(g):
-            fisher = torch.zeros(emb.weight.shape, dtype=torch.float64, device=g.device)
-            fisher.index_add_(0, ids, g.reshape(-1, g.shape[-1]).double().square())
-            add("emb_fisher", fisher)
+        def on_grad(g):  # accumulated in place: one (vocab, hidden) float64 buffer, not one per window
+            if "emb_fisher" not in acc:
+                acc["emb_fisher"] = torch.zeros(emb.weight.shape, dtype=torch.float64, device=g.device)
+            acc["emb_fisher"].index_add_(0, ids, g.reshape(-1, g.shape[-1]).double().square())
         out.register_hook(on_grad)
 
     hooks += [head.register_forward_hook(head_hook), emb.register_forward_hook(emb_hook)]
@@ -102,10 +174,13 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
             task = bar.add_task("calibrate: loss gradients", total=len(windows), visible=show_progress)
             for w in windows:
                 ids = w.unsqueeze(0)
-                logits = model(input_ids=ids, use_cache=False).logits
-                # sum, not mean: each token's own gradient is what the Fisher estimate needs
-                loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-                loss.backward()
+                if step is not None:
+                    loss = step(ids)
+                else:
+                    logits = model(input_ids=ids, use_cache=False).logits
+                    # sum, not mean: each token's own gradient is what the Fisher estimate needs
+                    loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                    loss.backward()
                 total_loss += float(loss.detach())
                 n_tok += ids.shape[1]  # every position's output receives a gradient
                 bar.advance(task)

@@ -421,3 +421,22 @@ def test_cuda_matches_cpu(tiny_model_dir):
         wa, wb = a.units[n]["results"][0][0].dequantize(), b.units[n]["results"][0][0].dequantize()
         assert wb.device.type == "cpu"
         torch.testing.assert_close(wa, wb, atol=1e-3, rtol=0)
+
+
+def test_layerwise_gradients_match_whole_model(tiny_model_dir):
+    """The one-layer-at-a-time backward pass (the CUDA default) gives the whole-model pass's statistics."""
+    model, windows = _model_and_windows(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    a = calib.gradient_stats(model, windows, False, "cpu", layerwise=False)
+    b = calib.gradient_stats(model, windows, False, "cpu", layerwise=True)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tokens"] == b["tokens"]
+    assert set(a["out_grad_sq"]) == set(b["out_grad_sq"]) and len(a["out_grad_sq"]) == 14
+    for k in a["out_grad_sq"]:
+        torch.testing.assert_close(b["out_grad_sq"][k], a["out_grad_sq"][k], rtol=1e-4, atol=0)
+    for k in ("out_grad_sq", "hessian"):
+        torch.testing.assert_close(b["head"][k], a["head"][k], rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(b["emb_fisher"], a["emb_fisher"], rtol=1e-4, atol=1e-14)
+    assert float(a["emb_fisher"].sum()) > 0 and float(a["out_grad_sq"]["model.layers.0.mlp.down_proj"].sum()) > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and v.device.type == "cpu", k
+    assert all(not p.requires_grad or p.grad is None for p in model.parameters())
