@@ -5,7 +5,7 @@ Layer by layer, one decoder layer on the compute device at a time; inside a laye
 in groups that share an input (q/k/v, then o, then gate/up, then down: "true sequential"), each group's
 statistics collected with the earlier groups already quantized. The first layer's inputs come from the
 quantized embedding. A quantizer that needs no input statistics (round-to-nearest) gives the same result on
-any input, so its candidate is reused as it is; its dequantized weight still feeds the layers after it. The
+any input (it is re-quantized without a statistics pass); its dequantized weight still feeds the layers after it. The
 model's weights are restored afterwards (a :class:`~qrecover.api.Prepared` serves further budgets).
 """
 
