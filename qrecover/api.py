@@ -7,64 +7,40 @@ import math
 import platform
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from . import __version__
-from .allocate import Choice, InfeasibleBudget, Plan, allocate, allocate_by_position
-from .calibrate import gradient_stats, progress, sequential
+from .allocate import Choice
+from .calibrate import progress
+from .compress.allocation import Budget, Infeasible, choose
+from .compress.calibrate import gradients, layer_pass, plan_stats
+from .compress.candidates import quantize_unit
+from .compress.finalize import finalize
+from .compress.specs import Encoding, embedding_encodings, linear_encodings
+from .compress.transform import apply_transforms, transforms_of
+from .compress.write import MANIFEST, WEIGHTS, bpw as _bpw, measure_bpw, write_checkpoint
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
-from .io_utils import atomic_dir, sha256_file
+from .io_utils import sha256_file
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
-from .schemes import QuantizedWeight, get_quantizer
+from .schemes import QuantizedWeight
 from .sensitivity import METHOD, linear_damage, lookup_damage
+from .transforms import get_transform
 
 FORMAT_VERSION = 1
-MANIFEST = "qrecover.json"
-WEIGHTS = "model.safetensors"
+
+#: one candidate encoding (kept under its old name for callers of ``Prepared.units[...]["cands"]``)
+Candidate = Encoding
 
 
-@dataclass
-class Candidate:
-    """One way to store one layer: ``label`` like ``palettize:4``, the quantizer and its bits."""
-
-    label: str
-    scheme: str
-    params: dict[str, Any]
-    bits: int
-
-    @property
-    def quantizer(self):
-        return get_quantizer(self.scheme, **self.params)
-
-
-def _linear_candidates(cfg: CompressConfig) -> list[Candidate]:
-    return [Candidate(f"{cfg.scheme}:{b}", cfg.scheme, dict(cfg.scheme_params), b) for b in sorted(cfg.bits)]
-
-
-# Embedding encodings the allocator may choose from (the embedding is a fifth of a 135M model's weights).
-# Row-wise integer blocks, not palettization: a look-up table shared by 16 rows would tie unrelated tokens
-# together, and k-means weighted by calibration statistics fits the few thousand tokens calibration sees
-# while the rest of the vocabulary pays (measured: 4-bit palettized with 64-column tables lost 0.39-0.44
-# nats of held-out loss where its estimate said 0.10-0.19; 4-bit blocks of 32 lost 0.09, estimated 0.11).
-_EMB_CANDS = [
-    Candidate("blockwise:4/b128", "blockwise", {"block_size": 128, "symmetric": False}, 4),  # 4.16 bpw
-    Candidate("blockwise:4/b64", "blockwise", {"block_size": 64, "symmetric": False}, 4),  # 4.31 bpw
-    Candidate("blockwise:4/b32", "blockwise", {"block_size": 32, "symmetric": False}, 4),  # 4.63 bpw
-    Candidate("blockwise:8", "blockwise", {"block_size": None, "symmetric": True}, 8),  # AFM: per-channel int8
-]
-
-
-def _fits(c: Candidate, shape: tuple[int, int]) -> bool:
+def _fits(c: Encoding, shape: tuple[int, int]) -> bool:
     try:
         c.quantizer.check(shape, c.bits)
         return True
@@ -72,15 +48,36 @@ def _fits(c: Candidate, shape: tuple[int, int]) -> bool:
         return False
 
 
-def _embedding_labels(cfg: CompressConfig) -> list[str]:
-    mode = cfg.embedding_bits
-    if mode == "auto" and (cfg.scope != "model" or cfg.bpw is None):
-        mode = "8"  # nothing to trade it against: keep AFM's default
-    return [c.label for c in _EMB_CANDS if mode == "auto" or c.bits == int(mode)]
+def _encodings(cfg: CompressConfig) -> tuple[list[Encoding], list[Encoding]]:
+    """``(linear candidates, embedding candidates)`` of a config, parsed and checked (no model needed)."""
+    lin = linear_encodings(cfg.scheme, cfg.bits, cfg.scheme_params, cfg.encodings)
+    emb = embedding_encodings(cfg.embedding_bits, cfg.embedding_encodings, cfg.scope == "model" and cfg.bpw is not None)
+    if cfg.bpw is None and len(lin) != 1:
+        raise QRecoverError(f"a uniform model (no --bpw) needs a single linear encoding, got {[e.label for e in lin]}; "
+                            "give one, or a --bpw budget")
+    if cfg.bpw is None and len(emb) != 1:
+        raise QRecoverError(f"a uniform model (no --bpw) needs a single embedding encoding, got {[e.label for e in emb]}; "
+                            "give one, or a --bpw budget")
+    return lin, emb
 
 
-def _bpw(nbytes: int, params: int) -> float:
-    return 8.0 * nbytes / params
+def resolve_device(spec: str) -> torch.device:
+    """``--device`` -> a torch device: 'auto' is CUDA when available, else the CPU."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise QRecoverError(f"--device {spec}: CUDA is not available here; use --device cpu or auto")
+    return torch.device(spec)
+
+
+def _check_shapes(lin: list[Encoding], shapes: dict[str, tuple[int, int]]) -> None:
+    """Every linear encoding must fit every linear layer: refuse with the spec and the shape."""
+    for e in lin:
+        for n, shape in shapes.items():
+            try:
+                e.quantizer.check(shape, e.bits)
+            except QRecoverError as err:
+                raise QRecoverError(f"encoding {e.label!r} cannot store {n} {shape}: {err}") from None
 
 
 # --- compress -------------------------------------------------------------------------------------------
@@ -89,23 +86,31 @@ def _bpw(nbytes: int, params: int) -> float:
 @dataclass
 class Prepared:
     """The expensive part of compression, reusable for any budget, scope, allocation or embedding width:
-    the loaded model, and for every quantizable unit its candidate encodings with their estimated damage."""
+    the loaded (and transformed) model, and for every quantizable unit its candidate encodings with their
+    estimated damage."""
 
     cfg: CompressConfig
     model: nn.Module
     tokenizer: Any
     source: Any
     params: dict[str, int]
-    units: dict[str, dict[str, Any]]  # name -> {"kind", "tied", "cands": [Candidate], "results": [(QuantizedWeight, damage)]}
+    units: dict[str, dict[str, Any]]  # name -> {"kind", "tied", "cands": [Encoding], "results": [(QuantizedWeight, damage)]}
     remainder: dict[str, torch.Tensor]
     head_name: str | None
     calibration: dict[str, Any]
     seconds: float
+    windows: torch.Tensor | None = None
+    grads: dict[str, Any] | None = None
+    transforms: dict[str, Any] | None = None
+    stats_plan: Any = None
 
 
 def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
-    """Load, calibrate, and quantize every unit at every candidate width (see :mod:`qrecover.calibrate`)."""
+    """Stages ``transform`` -> ``calibrate`` -> ``candidates`` (see :mod:`qrecover.compress`): load, transform,
+    calibrate what the candidates need, and quantize every unit at every candidate encoding."""
     t0 = time.time()
+    lin_encs, emb_all = _encodings(cfg)
+    device = resolve_device(cfg.device)
     model, tok, source = load_model(cfg.model)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
@@ -113,136 +118,152 @@ def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
     emb, head, tied = model.get_input_embeddings(), model.get_output_embeddings(), is_tied(model)
     emb_name = module_name(model, emb)
     head_name = module_name(model, head) if head is not None else None
-    lin_cands = _linear_candidates(cfg)
-    for c in lin_cands:
-        for m in linears.values():
-            c.quantizer.check(tuple(m.weight.shape), c.bits)
-    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg) and _fits(c, tuple(emb.weight.shape))]
-    if not emb_cands:
-        raise QRecoverError(f"no embedding encoding allowed by --embedding-bits {cfg.embedding_bits} fits shape {tuple(emb.weight.shape)}")
-    units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": lin_cands} for n, m in linears.items()}
-    units[emb_name] = {"kind": "embedding", "module": emb, "cands": emb_cands, "tied": tied}
+    _check_shapes(lin_encs, {n: tuple(m.weight.shape) for n, m in linears.items()})
+    emb_encs = [c for c in emb_all if _fits(c, tuple(emb.weight.shape))]
+    if not emb_encs:
+        raise QRecoverError(f"no embedding encoding of {[e.label for e in emb_all]} fits shape {tuple(emb.weight.shape)}; "
+                            "allow others with --embedding-encodings")
+    for t in transforms_of(lin_encs + emb_encs):
+        get_transform(t).check(model)
+    units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": lin_encs} for n, m in linears.items()}
+    units[emb_name] = {"kind": "embedding", "module": emb, "cands": emb_encs, "tied": tied}
     untied_head = head is not None and not tied
     if untied_head:
-        units[head_name] = {"kind": "head", "module": head, "cands": emb_cands}
-    quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
-    remainder = {k: v for k, v in model.state_dict().items() if k not in quantized}
-
+        units[head_name] = {"kind": "head", "module": head, "cands": emb_encs}
     windows = token_windows(tok, cfg.calib_data, "calib", cfg.calib_samples, cfg.seq_len)
-    grads = gradient_stats(model, windows, show_progress)
 
-    def quantize_unit(name: str, weight: torch.Tensor, stats: dict, damage_fn) -> None:
-        cands = units[name]["cands"]
-        by_scheme: dict[str, list[Candidate]] = {}
-        for c in cands:  # same scheme and parameters: quantize every width in one go (shared sort)
-            by_scheme.setdefault(json.dumps([c.scheme, c.params], sort_keys=True), []).append(c)
-        done = {}
-        for group in by_scheme.values():
-            for c, qw in zip(group, group[0].quantizer.quantize_many(weight, [c.bits for c in group], stats)):
-                done[c.label] = qw
-        w = weight.detach().float()
-        units[name]["results"] = [(done[c.label], max(damage_fn(w - done[c.label].dequantize()), 0.0)) for c in cands]
+    # stage transform (optional, model-level, function-preserving)
+    tinfo = apply_transforms(model, windows, lin_encs + emb_encs, device, show_progress)
+    # stage calibrate: only what the candidates and the damage estimate need
+    damage = cfg.bpw is not None or any(len(u["cands"]) > 1 for u in units.values())
+    plan = plan_stats(lin_encs, emb_encs, damage)
+    grads = gradients(model, windows, plan, device, show_progress)
 
+    # stage candidates, layer by layer (one decoder layer's statistics at a time)
     def on_layer(_i: int, _layer: nn.Module, stats: dict) -> None:
+        cache: dict = {}
         for name, st in stats.items():
-            g = grads["out_grad_sq"][name]
-            quantize_unit(name, linears[name].weight, st, lambda dw: linear_damage(dw, st["hessian"], g))
+            st = dict(st)
+            if grads is not None:
+                st["out_grad_sq"] = grads["out_grad_sq"][name].to(device)
+            fn = (lambda dw, st=st: linear_damage(dw, st["hessian"], st["out_grad_sq"])) if plan.damage else None
+            units[name]["results"] = quantize_unit(linears[name].weight, units[name]["cands"], st, fn, cache)
 
-    sequential(model, windows, on_layer, show_progress)
+    layer_pass(model, windows, plan.layer, on_layer, device, show_progress)
     with progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
-        hd = grads["head"]
-        h_diag = hd["hessian"].diagonal()
-        # Lookup damage with every token row weighted alike: calibration sees a few thousand of the
-        # vocabulary's tokens, too few to estimate per-token frequencies (see sensitivity.lookup_damage).
-        fisher = (grads["emb_fisher"].sum(0) / emb.weight.shape[0]).expand(emb.weight.shape)
-        if tied:  # the matrix serves both the lookup and the logits: importance and damage of both
-            imp = fisher + hd["out_grad_sq"].unsqueeze(1) * h_diag.unsqueeze(0)
-            fn = lambda dw: lookup_damage(dw, fisher) + linear_damage(dw, hd["hessian"], hd["out_grad_sq"])  # noqa: E731
-        else:
-            imp, fn = fisher, (lambda dw: lookup_damage(dw, fisher))  # noqa: E731
-        quantize_unit(emb_name, emb.weight, {"element_sq": imp}, fn)
+        emb_stats, fn = {}, None
+        if grads is not None:
+            hd = {k: v.to(device) for k, v in grads["head"].items()}
+            h_diag = hd["hessian"].diagonal()
+            # Lookup damage with every token row weighted alike: calibration sees a few thousand of the
+            # vocabulary's tokens, too few to estimate per-token frequencies (see sensitivity.lookup_damage).
+            fisher = (grads["emb_fisher"].to(device).sum(0) / emb.weight.shape[0]).expand(emb.weight.shape)
+            if tied:  # the matrix serves both the lookup and the logits: importance and damage of both
+                imp = fisher + hd["out_grad_sq"].unsqueeze(1) * h_diag.unsqueeze(0)
+                fn = lambda dw: lookup_damage(dw, fisher) + linear_damage(dw, hd["hessian"], hd["out_grad_sq"])  # noqa: E731
+            else:
+                imp, fn = fisher, (lambda dw: lookup_damage(dw, fisher))  # noqa: E731
+            emb_stats = {"element_sq": imp}
+        units[emb_name]["results"] = quantize_unit(emb.weight.detach().to(device), emb_encs, emb_stats, fn if plan.damage else None)
         if untied_head:
-            quantize_unit(head_name, head.weight, {"input_sq": h_diag, "hessian": hd["hessian"]},
-                          lambda dw: linear_damage(dw, hd["hessian"], hd["out_grad_sq"]))
+            head_stats = {"input_sq": h_diag, "hessian": hd["hessian"]} if grads is not None else {}
+            hfn = (lambda dw: linear_damage(dw, hd["hessian"], hd["out_grad_sq"])) if plan.damage else None  # noqa: E731
+            units[head_name]["results"] = quantize_unit(head.weight.detach().to(device), emb_encs, head_stats, hfn)
         bar.advance(task)
+    quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
+    remainder = {k: v for k, v in model.state_dict().items() if k not in quantized}  # after the transform
     calibration = {"source": cfg.calib_data, "split": "calib", "windows": cfg.calib_samples, "seq_len": cfg.seq_len,
-                   "tokens": grads["tokens"], "loss": grads["loss"]}
+                   "tokens": int(windows.numel()), "loss": grads["loss"] if grads is not None else None,
+                   "computed": {"layer_stats": sorted(plan.layer), "gradients": plan.gradients, "damage": plan.damage},
+                   "device": str(device)}
     params = {"model": count_parameters(model), "linear": sum(m.weight.numel() for m in linears.values())}
-    return Prepared(cfg, model, tok, source, params, units, remainder, head_name, calibration, time.time() - t0)
+    return Prepared(cfg, model, tok, source, params, units, remainder, head_name, calibration, time.time() - t0,
+                    windows=windows, grads=grads, transforms=tinfo, stats_plan=plan)
+
+
+_SAME = ("model", "calib_data", "calib_samples", "seq_len")
 
 
 def compress(config: CompressConfig | None = None, out: str | Path | None = None, overwrite: bool = False,
              show_progress: bool = True, prepared: Prepared | None = None, **overrides: Any) -> dict[str, Any]:
     """Compress a model to ``config.bpw`` bits per weight; write a checkpoint to ``out``; return its manifest.
 
-    ``prepared`` (from :func:`prepare` with the same model, scheme and calibration, and bits that include
-    ``config.bits``) skips the expensive stage, so one calibration serves several budgets and bit sets.
+    Stages ``allocate`` -> ``finalize`` -> ``write`` after :func:`prepare`'s. ``prepared`` (from
+    :func:`prepare` with the same model and calibration, and candidates that include this config's) skips
+    the expensive stages, so one calibration serves several budgets and encoding subsets.
     """
     cfg = config or CompressConfig(**overrides)
     t0 = time.time()
     out = Path(out) if out is not None else None
     if out is not None and out.exists() and not overwrite:
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
-    in_scope_emb = cfg.scope == "model"
-    emb_labels = _embedding_labels(cfg)
-    supported = get_quantizer(cfg.scheme, **cfg.scheme_params).supported_bits
-    if bad := [b for b in cfg.bits if b not in supported]:
-        raise QRecoverError(f"--bits {','.join(map(str, cfg.bits))}: scheme {cfg.scheme!r} does not support {bad}; choose from {list(supported)}")
+    lin_encs, emb_encs = _encodings(cfg)
     if prepared is None:
-        _check_budget_early(cfg)
+        _check_budget_early(cfg, lin_encs, emb_encs)
         prepared = prepare(cfg, show_progress)
     p = prepared
-    same = ("model", "scheme", "scheme_params", "calib_data", "calib_samples", "seq_len")
-    if not set(cfg.bits) <= set(p.cfg.bits) or any(getattr(cfg, k) != getattr(p.cfg, k) for k in same):
+    have_lin = p.units[next(n for n, u in p.units.items() if u["kind"] == "linear")]["cands"]
+    emb_unit = next(u for u in p.units.values() if u["kind"] == "embedding")
+    emb_shape = tuple(emb_unit["module"].weight.shape)
+    emb_want = [e for e in emb_encs if _fits(e, emb_shape)]
+    if (any(getattr(cfg, k) != getattr(p.cfg, k) for k in _SAME) or any(e not in have_lin for e in lin_encs)
+            or any(e not in emb_unit["cands"] for e in emb_want)):
         raise QRecoverError(
-            f"the prepared candidates were made with {({k: getattr(p.cfg, k) for k in (*same, 'bits')})}; "
-            f"this config asks for {({k: getattr(cfg, k) for k in (*same, 'bits')})}: prepare again"
+            f"the prepared candidates were made with {({k: getattr(p.cfg, k) for k in _SAME})}, linear "
+            f"{[e.label for e in have_lin]}, embedding {[e.label for e in emb_unit['cands']]}; this config asks for "
+            f"{({k: getattr(cfg, k) for k in _SAME})}, linear {[e.label for e in lin_encs]}, embedding "
+            f"{[e.label for e in emb_want]}: prepare again"
         )
-    have = {c.label for n, u in p.units.items() if u["kind"] != "linear" for c in u["cands"]}
-    if missing := [lb for lb in emb_labels if lb not in have and any(lb == c.label for c in _EMB_CANDS if _fits(c, tuple(p.model.get_input_embeddings().weight.shape)))]:
-        raise QRecoverError(f"the prepared candidates lack embedding encodings {missing}; prepare with --embedding-bits auto")
+    if not emb_want:
+        raise QRecoverError(f"no embedding encoding of {[e.label for e in emb_encs]} fits shape {emb_shape}; allow others with --embedding-encodings")
+    in_scope_emb = cfg.scope == "model"
     remainder_bytes = sum(v.numel() * 2 for v in p.remainder.values())  # stored as 16-bit
 
-    # the choices the allocator may make: every linear candidate; the embedding's allowed widths
+    # stage allocate: the choices the allocator may make
     table: dict[str, list[Choice]] = {}
     picks: dict[str, list[int]] = {}
     for n, u in p.units.items():
-        keep = [k for k, c in enumerate(u["cands"]) if (c.bits in cfg.bits if u["kind"] == "linear" else c.label in emb_labels)]
+        allowed = lin_encs if u["kind"] == "linear" else emb_want
+        keep = [k for k, c in enumerate(u["cands"]) if c in allowed]
         picks[n] = keep
-        table[n] = [Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1]) for k in keep]
-    budget_units = [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb]
-    if cfg.bpw is None:
-        chosen = {n: 0 for n in p.units}
-        if len(cfg.bits) != 1:
-            raise QRecoverError(f"a uniform model needs a single width in --bits, got {cfg.bits}")
-    else:
-        denom = p.params["model"] if in_scope_emb else p.params["linear"]
-        fixed = remainder_bytes if in_scope_emb else 0
-        budget_bytes = math.floor(cfg.bpw * denom / 8) - fixed
-        lo = sum(min(c.nbytes for c in table[n]) for n in budget_units) + fixed
-        hi = sum(max(c.nbytes for c in table[n]) for n in budget_units) + fixed
-        if budget_bytes + fixed < lo:
-            raise _infeasible(cfg, _bpw(lo, denom), _bpw(hi, denom))
-        fn = allocate if cfg.allocation == "sensitivity" else allocate_by_position
-        plan: Plan = fn({n: table[n] for n in budget_units}, budget_bytes)
-        chosen = dict(plan.choices)
-        for n in p.units:  # outside the budget's scope: the largest allowed choice
-            chosen.setdefault(n, max(range(len(table[n])), key=lambda k: table[n][k].nbytes))
+        table[n] = [Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1] or 0.0) for k in keep]
+    budget = Budget(cfg.bpw, p.params["model"] if in_scope_emb else p.params["linear"],
+                    remainder_bytes if in_scope_emb else 0,
+                    [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb])
+    try:
+        chosen = choose(table, budget, cfg.allocation)
+    except Infeasible as e:
+        raise _infeasible(cfg, e.lo, e.hi) from None
 
+    enc_of = {n: u["cands"][picks[n][chosen[n]]] for n, u in p.units.items()}
+    qws = {n: u["results"][picks[n][chosen[n]]][0] for n, u in p.units.items()}
+    # stage finalize: re-quantize each chosen linear on the outputs of the quantized layers before it
+    finfo: dict[str, Any] = {"enabled": bool(cfg.finalize)}
+    if cfg.finalize:
+        lin_names = [n for n, u in p.units.items() if u["kind"] == "linear"]
+        fixed = {n: qws[n] for n, u in p.units.items() if u["kind"] != "linear"}
+        final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
+                               p.grads["out_grad_sq"] if p.grads is not None else None,
+                               resolve_device(cfg.device), show_progress)
+        qws.update(final)
+        finfo.update(info)
+
+    # stage write
     tensors: dict[str, torch.Tensor] = {k: v.detach().to(torch.float16).contiguous() for k, v in p.remainder.items()}
     layer_info: dict[str, Any] = {}
-    damage_total = 0.0
+    damages = []
     for n, u in p.units.items():
         k = picks[n][chosen[n]]
-        qw, damage = u["results"][k]
-        damage_total += damage
+        qw, damage = qws[n], u["results"][k][1]
+        damages.append(damage)
         for tname, t in qw.tensors.items():
             tensors[f"{n}.{tname}"] = t.contiguous()
         layer_info[n] = {
             "kind": u["kind"], "scheme": qw.scheme, "bits": qw.bits, "params": qw.params, "shape": list(qw.shape),
             "tensors": sorted(qw.tensors), "nbytes": qw.nbytes, "bpw": _bpw(qw.nbytes, qw.numel),
             "damage": damage, "label": u["cands"][k].label,
+            **({"transforms": list(enc_of[n].transforms)} if enc_of[n].transforms else {}),
             **({"tied_to": p.head_name} if u.get("tied") else {}),
         }
     manifest: dict[str, Any] = {
@@ -252,64 +273,71 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         "architecture": type(p.model).__name__,
         "parameters": p.params,
         "budget": {"bpw": cfg.bpw, "scope": cfg.scope, "bits": cfg.bits, "allocation": cfg.allocation,
-                   "embedding_bits": cfg.embedding_bits},
+                   "embedding_bits": cfg.embedding_bits,
+                   "encodings": [e.label for e in lin_encs], "embedding_encodings": [e.label for e in emb_want]},
         "config": cfg.to_dict(),
         "layers": layer_info,
         "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in p.remainder.items()},
         "sensitivity": {"method": METHOD, "unit": "predicted increase of mean next-token loss (nats)",
                         "table": {n: {c.label: d for c, (_, d) in zip(u["cands"], u["results"])} for n, u in p.units.items()},
-                        "predicted_loss_increase": damage_total},
+                        "predicted_loss_increase": None if any(d is None for d in damages) else sum(damages)},
         "calibration": p.calibration,
+        "finalize": finfo,
+        "transforms": p.transforms or {},
         "versions": _versions(),
     }
     if out is None:
         return manifest
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "qrecover"})
-        measured = measure_bpw(tmp / WEIGHTS, manifest)
-        manifest["measured_bpw"] = measured["bpw"]
-        manifest["bytes"] = measured["bytes"]
-        manifest["weights_file"] = {"name": WEIGHTS, "sha256": sha256_file(tmp / WEIGHTS)}
-        manifest["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        manifest["seconds"] = round(time.time() - t0, 1)  # this call; includes preparing unless it was given
-        manifest["prepare_seconds"] = round(p.seconds, 1)
-        p.model.config.save_pretrained(tmp)
-        if getattr(p.model, "generation_config", None) is not None:
-            p.model.generation_config.save_pretrained(tmp)
-        p.tokenizer.save_pretrained(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    return write_checkpoint(out, tensors, manifest, p.model, p.tokenizer, overwrite,
+                            extra={"seconds": round(time.time() - t0, 1),  # this call; includes preparing unless given
+                                   "prepare_seconds": round(p.seconds, 1)})
 
 
 def _infeasible(cfg: CompressConfig, lo: float, hi: float) -> QRecoverError:
+    choices = f"--encodings {cfg.encodings}" if cfg.encodings else f"--bits {','.join(map(str, cfg.bits))}"
+    emb = f"--embedding-encodings {cfg.embedding_encodings}" if cfg.embedding_encodings else f"--embedding-bits {cfg.embedding_bits}"
     return QRecoverError(
-        f"--bpw {cfg.bpw} is below what these choices can reach: with --bits {','.join(map(str, cfg.bits))}, "
-        f"--embedding-bits {cfg.embedding_bits} and --scope {cfg.scope} the smallest is {lo:.3f} bpw and the "
+        f"--bpw {cfg.bpw} is below what these choices can reach: with {choices}, "
+        f"{emb} and --scope {cfg.scope} the smallest is {lo:.3f} bpw and the "
         f"largest {hi:.3f} bpw; raise --bpw or allow lower --bits"
     )
 
 
-def _check_budget_early(cfg: CompressConfig) -> None:
-    """Refuse an impossible budget from shapes alone, before minutes of calibration."""
-    if cfg.bpw is None:
-        return
+def _meta_model(cfg: CompressConfig):
+    """The model built on the meta device from its config alone (no weights), or None for a GGUF."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path, kind = resolve(cfg.model)
     if kind not in ("hf", "default"):
-        return  # a GGUF is checked after loading
+        return None  # a GGUF is checked after loading
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     except ValueError as e:
         raise QRecoverError(f"{str(path)!r} is not a causal language model: {e}") from None
+
+
+def _check_budget_early(cfg: CompressConfig, lin_encs: list[Encoding], emb_encs: list[Encoding]) -> None:
+    """Refuse what shapes alone can refuse, before minutes of calibration: an encoding that does not fit a
+    layer, a transform the architecture has no mapping for, an impossible budget."""
+    model = _meta_model(cfg)
+    if model is None:
+        return
     layers = decoder_layers(model)
-    lin = [m for l in layers for m in linear_layers(l).values()]
+    prefix = module_name(model, layers)
+    lin = {f"{prefix}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
+    _check_shapes(lin_encs, {n: tuple(m.weight.shape) for n, m in lin.items()})
+    for t in transforms_of(lin_encs + emb_encs):
+        get_transform(t).check(model)
+    if cfg.bpw is None:
+        return
     emb = model.get_input_embeddings()
-    cands = _linear_candidates(cfg)
-    emb_cands = [c for c in _EMB_CANDS if c.label in _embedding_labels(cfg) and _fits(c, tuple(emb.weight.shape))]
-    sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in cands] for m in lin]
-    n_lin = sum(m.weight.numel() for m in lin)
+    emb_cands = [c for c in emb_encs if _fits(c, tuple(emb.weight.shape))]
+    if not emb_cands:
+        raise QRecoverError(f"no embedding encoding of {[e.label for e in emb_encs]} fits shape {tuple(emb.weight.shape)}; "
+                            "allow others with --embedding-encodings")
+    sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in lin_encs] for m in lin.values()]
+    n_lin = sum(m.weight.numel() for m in lin.values())
     if cfg.scope == "model":
         n_all = count_parameters(model)
         rem = 2 * (n_all - n_lin - emb.weight.numel())
@@ -323,26 +351,6 @@ def _check_budget_early(cfg: CompressConfig) -> None:
     lo = sum(min(s) for s in sizes) + fixed
     if math.floor(cfg.bpw * denom / 8) < lo:
         raise _infeasible(cfg, _bpw(lo, denom), _bpw(sum(max(s) for s in sizes) + fixed, denom))
-
-
-def measure_bpw(weights: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Bits per weight from the bytes of every tensor in the weights file (nothing left out)."""
-    per_tensor: dict[str, int] = {}
-    with safe_open(str(weights), framework="pt") as f:
-        for k in f.keys():
-            sl = f.get_slice(k)
-            shape, dtype = sl.get_shape(), sl.get_dtype()
-            per_tensor[k] = math.prod(shape) * {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}[dtype]
-    layer_bytes = {n: sum(per_tensor[f"{n}.{t}"] for t in info["tensors"]) for n, info in manifest["layers"].items()}
-    total = sum(per_tensor.values())
-    linear = sum(b for n, b in layer_bytes.items() if manifest["layers"][n]["kind"] == "linear")
-    p = manifest["parameters"]
-    return {
-        "bpw": {"model": _bpw(total, p["model"]), "linear": _bpw(linear, p["linear"])},
-        "bytes": {"total": total, "linear": linear, "file": weights.stat().st_size,
-                  "embedding": sum(b for n, b in layer_bytes.items() if manifest["layers"][n]["kind"] != "linear"),
-                  "remainder": total - sum(layer_bytes.values())},
-    }
 
 
 def _versions() -> dict[str, str]:

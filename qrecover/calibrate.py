@@ -6,15 +6,15 @@ Two passes over the calibration windows:
    accumulating small per-layer vectors only: output-gradient second moments of every linear layer,
    the logit-gradient moments and final-hidden-state second moments of the output matrix, and the
    embedding's per-(token, dim) Fisher. Memory: the model, its gradients' activations for one window.
-2. :func:`sequential`: layer by layer, the decoder layer's inputs are replayed through it with hooks
-   that accumulate each linear layer's ``E[x x^T]``; the callback quantizes the layer's candidates,
-   then the statistics are dropped and the layer's outputs become the next layer's inputs. Only one
-   decoder layer's statistics exist at a time, so memory stays near the model's own size.
+2. :func:`layer_stats`, called layer by layer by the compress stages (:mod:`qrecover.compress`): the
+   decoder layer's inputs (:func:`capture_inputs`) are replayed through it with hooks that accumulate
+   the statistics the quantizers ask for (``E[x x^T]`` once per distinct input, ``E[x**2]``); the
+   layer's outputs become the next layer's inputs. Only one decoder layer's statistics exist at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,18 +37,102 @@ def progress() -> Progress:
     )
 
 
-def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True) -> dict:
+def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True,
+                   device: torch.device | str = "cpu", layerwise: bool | None = None) -> dict:
     """Backward passes over ``windows (n, seq_len)``; see the module docstring. Returns a dict:
 
     ``out_grad_sq``: ``{linear name: (out,)}`` for every linear in the decoder layers;
     ``head``: ``{"out_grad_sq": (vocab,), "hessian": (hidden, hidden)}`` of the output matrix;
-    ``emb_fisher``: ``(vocab, hidden)``; ``loss``: mean next-token loss; ``tokens``: count.
+    ``emb_fisher``: ``(vocab, hidden)``; ``loss``: mean next-token loss; ``tokens``: count. All on CPU.
+
+    ``device``: where the passes run. On the CPU the whole model runs forward and backward per window. On
+    another device (CUDA) ``layerwise`` is the default: one decoder layer on the device at a time, forward
+    through every layer (keeping each layer's input), then backward layer by layer from the loss; the same
+    statistics (``layerwise`` needs the model's final norm, found as ``<base model>.norm``; without one the
+    whole model is moved to the device for the pass).
     """
+    layerwise = torch.device(device).type != "cpu" if layerwise is None else layerwise
+    if layerwise and _final_norm(model) is not None:
+        return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)))
+    home = next(model.parameters()).device
+    model.to(device)
+    try:
+        return _gradient_stats(model, windows.to(device), show_progress, None)
+    finally:
+        model.to(home)
+
+
+def _final_norm(model: nn.Module) -> nn.Module | None:
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    norm = getattr(base, "norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def _layerwise_step(model: nn.Module, device: torch.device):
+    """One window's forward and backward with one decoder layer on ``device`` at a time; the embedding runs
+    where the model is (CPU), the final norm and output matrix on ``device``. Returns the summed loss."""
+    layers = decoder_layers(model)
+    norm, head = _final_norm(model), model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        captured: dict[str, tuple] = {}
+
+        def catch(_m, args, kwargs):
+            captured["x"] = (args, kwargs)
+            raise _Stop
+
+        h = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+        try:
+            model(input_ids=ids, use_cache=False)  # up to the first layer: the embedding keeps its graph
+        except _Stop:
+            pass
+        finally:
+            h.remove()
+        args, kw = captured["x"]
+        x0 = args[0] if args else kw.pop("hidden_states")
+        kw = to_device(kw, device)
+        inputs = []
+        x = x0.detach().to(device)
+        with torch.no_grad():
+            for layer in layers:
+                layer.to(device)
+                inputs.append(x)
+                y = layer(x, **kw)
+                x = y[0] if isinstance(y, tuple) else y
+                layer.to("cpu")
+        norm.to(device)
+        head.to(device)  # (a tied output matrix is the embedding's: moved back below before the next window)
+        try:
+            last = x.detach().requires_grad_(True)
+            logits = head(norm(last))
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:].to(device), reduction="sum")
+            loss.backward()
+        finally:
+            norm.to("cpu")
+            head.to("cpu")
+        g = last.grad
+        for layer, x in zip(reversed(layers), reversed(inputs)):
+            layer.to(device)
+            try:
+                xi = x.detach().requires_grad_(True)
+                y = layer(xi, **kw)
+                (y[0] if isinstance(y, tuple) else y).backward(g)
+                g = xi.grad
+            finally:
+                layer.to("cpu")
+        x0.backward(g.to(x0.device))
+        return loss.detach()
+    return step
+
+
+def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool, step) -> dict:
     layers = decoder_layers(model)
     lin = {f"{module_name(model, layers)}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     acc: dict[str, torch.Tensor] = {}
-    ids_now: list[torch.Tensor] = []
     hooks = []
 
     def add(key: str, value: torch.Tensor) -> None:
@@ -57,7 +141,8 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
 
     def grad_sq_hook(key: str):
         def fwd(_m, _inp, out):
-            out.register_hook(lambda g: add(key, g.reshape(-1, g.shape[-1]).square().sum(0)))
+            if out.requires_grad:  # (the layer-wise pass's first, gradient-free forward is skipped)
+                out.register_hook(lambda g: add(key, g.reshape(-1, g.shape[-1]).square().sum(0)))
         return fwd
 
     for name, m in lin.items():
@@ -71,10 +156,10 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
     def emb_hook(_m, inp, out):
         ids = inp[0].reshape(-1)
 
-        def on_grad(g):
-            fisher = torch.zeros(emb.weight.shape, dtype=torch.float64)
-            fisher.index_add_(0, ids, g.reshape(-1, g.shape[-1]).double().square())
-            add("emb_fisher", fisher)
+        def on_grad(g):  # accumulated in place: one (vocab, hidden) float64 buffer, not one per window
+            if "emb_fisher" not in acc:
+                acc["emb_fisher"] = torch.zeros(emb.weight.shape, dtype=torch.float64, device=g.device)
+            acc["emb_fisher"].index_add_(0, ids, g.reshape(-1, g.shape[-1]).double().square())
         out.register_hook(on_grad)
 
     hooks += [head.register_forward_hook(head_hook), emb.register_forward_hook(emb_hook)]
@@ -89,10 +174,13 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
             task = bar.add_task("calibrate: loss gradients", total=len(windows), visible=show_progress)
             for w in windows:
                 ids = w.unsqueeze(0)
-                logits = model(input_ids=ids, use_cache=False).logits
-                # sum, not mean: each token's own gradient is what the Fisher estimate needs
-                loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
-                loss.backward()
+                if step is not None:
+                    loss = step(ids)
+                else:
+                    logits = model(input_ids=ids, use_cache=False).logits
+                    # sum, not mean: each token's own gradient is what the Fisher estimate needs
+                    loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+                    loss.backward()
                 total_loss += float(loss.detach())
                 n_tok += ids.shape[1]  # every position's output receives a gradient
                 bar.advance(task)
@@ -104,27 +192,30 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
             p.grad = None
     n_pred = len(windows) * (windows.shape[1] - 1)
     return {
-        "out_grad_sq": {k: (acc[k] / n_tok).float() for k in lin},
-        "head": {"out_grad_sq": (acc["head.out_grad_sq"] / n_tok).float(), "hessian": (acc["head.hessian"] / n_tok).float()},
-        "emb_fisher": (acc["emb_fisher"] / n_tok).float(),
+        "out_grad_sq": {k: (acc[k] / n_tok).float().cpu() for k in lin},
+        "head": {"out_grad_sq": (acc["head.out_grad_sq"] / n_tok).float().cpu(), "hessian": (acc["head.hessian"] / n_tok).float().cpu()},
+        "emb_fisher": (acc["emb_fisher"] / n_tok).float().cpu(),
         "loss": total_loss / n_pred,
         "tokens": int(windows.numel()),
     }
 
 
-def sequential(
-    model: nn.Module,
-    windows: torch.Tensor,
-    on_layer: Callable[[int, nn.Module, dict[str, dict[str, torch.Tensor]]], None],
-    show_progress: bool = True,
-) -> None:
-    """Replay calibration inputs layer by layer; call ``on_layer(index, layer, stats)`` for each.
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
 
-    ``stats`` maps each linear layer's full name to ``{"hessian": (in, in), "input_sq": (in,)}``,
-    both means over calibration tokens. Layer outputs are computed with the unquantized weights.
-    """
+
+def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device | str = "cpu"
+                   ) -> tuple[list[torch.Tensor], list[dict]]:
+    """The first decoder layer's inputs for every window: ``(hidden states [(1, seq, hidden)], kwargs)``,
+    moved to ``device``. Runs the model (on its own device) only up to the first decoder layer."""
     layers = decoder_layers(model)
-    prefix = module_name(model, layers)
     captured: list[tuple[tuple, dict]] = []
 
     def catch(_m, args, kwargs):
@@ -141,37 +232,104 @@ def sequential(
                     pass
     finally:
         h.remove()
-    hidden = [a[0] if a else kw.pop("hidden_states") for a, kw in captured]
-    kwargs = [kw for _, kw in captured]
+    hidden = [to_device(a[0] if a else kw.pop("hidden_states"), device) for a, kw in captured]
+    return hidden, [to_device(kw, device) for _, kw in captured]
 
-    with progress() as bar, torch.no_grad():
-        task = bar.add_task("calibrate + quantize: decoder layers", total=len(layers), visible=show_progress)
-        for i, layer in enumerate(layers):
-            lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
-            sums: dict[str, torch.Tensor] = {}
-            counts: dict[str, int] = {}
 
-            def hook(name: str):
-                def fwd(_m, inp, _out):
-                    x = inp[0].reshape(-1, inp[0].shape[-1]).double()
-                    sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
-                    counts[name] = counts.get(name, 0) + x.shape[0]
-                return fwd
+@torch.no_grad()
+def forward_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    """``layer`` applied to every window's hidden states."""
+    outs = []
+    for x, kw in zip(hidden, kwargs):
+        y = layer(x, **kw)
+        outs.append(y[0] if isinstance(y, tuple) else y)
+    return outs
 
-            hooks = [m.register_forward_hook(hook(n)) for n, m in lins.items()]
-            outs = []
+
+def xtx(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``x (tokens, in)`` -> ``x^T x (in, in)`` computed in ``dtype``, returned in float64 (one Hessian
+    contribution)."""
+    x = x.to(dtype)
+    return (x.T @ x).double()
+
+
+def linear_groups(layer: nn.Module, x: torch.Tensor, kw: dict, linears: dict[str, nn.Module]) -> list[list[str]]:
+    """``linears`` grouped by the input tensor they are fed (q/k/v; gate/up), groups in the order the layer
+    calls them, from one forward of one window ``x (1, seq, hidden)``."""
+    groups: dict[int, tuple[torch.Tensor, list[str]]] = {}
+
+    def hook(name: str):
+        def fwd(_m, inp, _out):
+            groups.setdefault(id(inp[0]), (inp[0], []))[1].append(name)
+        return fwd
+
+    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            layer(x, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [names for _, names in groups.values()]
+
+
+@torch.no_grad()
+def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], linears: dict[str, nn.Module],
+                want: frozenset[str] | set[str], outputs: bool = True, hessian_dtype: torch.dtype = torch.float64
+                ) -> tuple[dict[str, dict[str, torch.Tensor]], list[torch.Tensor]]:
+    """Replay ``hidden`` through ``layer``, accumulating input statistics of ``linears`` (full name -> module
+    inside ``layer``); returns ``(stats, outputs)``.
+
+    ``want`` (subset of ``{"hessian", "input_sq"}``) says what to compute; nothing else is. Linear layers fed
+    the very same input tensor (q/k/v; gate/up) share ONE Hessian computation: their ``stats[n]["hessian"]``
+    is the same tensor object. ``hessian (in, in)`` = mean of x x^T, ``input_sq (in,)`` = mean of x**2
+    (the Hessian's diagonal when it is computed), both fp32 on the layer's device. ``outputs=False`` stops
+    each window's forward once every linear of ``linears`` has run (and returns no outputs).
+    ``hessian_dtype``: the dtype of each window's ``x^T x`` (sums are float64 either way).
+    """
+    want = set(want) & {"hessian", "input_sq"}
+    sums: dict[str, torch.Tensor] = {}  # by owner: the first linear that saw an input tensor
+    counts: dict[str, int] = {}
+    owner_of: dict[str, str] = {}
+    seen: dict[int, tuple[torch.Tensor, str]] = {}  # id of an input tensor (this window) -> (it, owner);
+    # holding the tensor keeps its id from being reused by a later tensor of the same window
+    fired: set[str] = set()
+
+    def hook(name: str):
+        def fwd(_m, inp, _out):
+            x = inp[0]
+            owner = seen.setdefault(id(x), (x, name))[1]
+            owner_of[name] = owner
+            fired.add(name)
+            if owner == name and want:
+                x = x.reshape(-1, x.shape[-1])
+                v = xtx(x, hessian_dtype) if "hessian" in want else x.double().square().sum(0)
+                sums[owner] = sums[owner] + v if owner in sums else v
+                counts[owner] = counts.get(owner, 0) + x.shape[0]
+            if not outputs and len(fired) == len(linears):
+                raise _Stop
+        return fwd
+
+    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()] if (want or not outputs) else []
+    outs = []
+    try:
+        for x, kw in zip(hidden, kwargs):
+            seen.clear()
+            fired.clear()
             try:
-                for x, kw in zip(hidden, kwargs):
-                    y = layer(x, **kw)
-                    outs.append(y[0] if isinstance(y, tuple) else y)
-            finally:
-                for hk in hooks:
-                    hk.remove()
-            stats = {}
-            for n in lins:
-                hess = (sums[n] / counts[n]).float()
-                stats[n] = {"hessian": hess, "input_sq": hess.diagonal().clone()}
-            on_layer(i, layer, stats)
-            del stats, sums
-            hidden = outs
-            bar.advance(task)
+                y = layer(x, **kw)
+            except _Stop:
+                continue
+            outs.append(y[0] if isinstance(y, tuple) else y)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    per_owner: dict[str, dict[str, torch.Tensor]] = {}
+    for owner, total in sums.items():
+        mean = (total / counts[owner]).float()
+        per_owner[owner] = {"hessian": mean, "input_sq": mean.diagonal().clone()} if "hessian" in want else {"input_sq": mean}
+    stats = {n: dict(per_owner.get(owner_of.get(n, ""), {})) for n in linears}
+    for st in stats.values():
+        if "input_sq" not in want:
+            st.pop("input_sq", None)
+    return stats, outs

@@ -36,6 +36,8 @@ from safetensors import safe_open
 import qrecover
 import qrecover.api as api
 from qrecover.api import FORMAT_VERSION, compress, read_manifest
+from qrecover.compress import write as stage_write
+from qrecover.compress.specs import LEGACY_EMBEDDING, embedding_encodings
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
 from qrecover.io_utils import sha256_file, sha256_files
@@ -43,6 +45,7 @@ from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 
 from conftest import TINY_CKPT_CFG, TINY_CONFIG, build_tiny_model
 
+LEGACY_LABELS = {e.label for e in LEGACY_EMBEDDING}
 N_LINEAR = TINY_CONFIG["num_hidden_layers"] * 7
 DTYPE_BYTES = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 PROMPT = "The Python tutorial explains how to define a function with def."
@@ -151,9 +154,11 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
         assert d["palettize:2"] > d["palettize:4"], (n, d)  # fewer bits: more predicted damage
         assert layers[n]["damage"] == d[layers[n]["label"]]
     emb_table = table["model.embed_tokens"]
-    fits = {c.label for c in api._EMB_CANDS if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
-    assert set(emb_table) == fits >= {"blockwise:4/b64", "blockwise:4/b32", "blockwise:8"}
-    assert all(emb_table[k] > emb_table["blockwise:8"] for k in emb_table if k != "blockwise:8")  # 4 < 8 bits
+    fits = {c.label for c in embedding_encodings("auto", None, True) if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
+    assert set(emb_table) == fits >= {"blockwise:4/b64", "blockwise:4/b32", "blockwise:8", "blockwise:2/b32/asym", "palettize:3/g1"}
+    assert "blockwise:4/b128" not in emb_table
+    assert all(emb_table[k] > emb_table["blockwise:8"] for k in emb_table if k != "blockwise:8")  # 2-4 < 8 bits
+    assert emb_table["blockwise:2/b32/asym"] > emb_table["blockwise:3/b32/asym"] > emb_table["blockwise:4/b32"]
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(sum(v["damage"] for v in layers.values()))
     assert set(m["remainder"]) == {k for k, _ in model.named_parameters() if "norm" in k}
 
@@ -162,7 +167,7 @@ def test_measured_bpw_within_budget(manifest):
     assert manifest["measured_bpw"]["model"] <= manifest["budget"]["bpw"]
     # 5.0 bpw covers every linear layer's best width but not the 8-bit embedding (~8.1 bpw alone)
     emb = manifest["layers"]["model.embed_tokens"]
-    assert emb["bits"] == 4 and emb["label"] != "blockwise:8"
+    assert emb["bits"] < 8 and emb["label"] != "blockwise:8"
 
 
 def test_byte_accounting(tiny_ckpt, manifest):
@@ -318,14 +323,16 @@ def test_scope_linear_budget(tiny_model_dir, tiny_prepared, tmp_path):
 
 @pytest.mark.parametrize("allocation", ["sensitivity", "position"])
 def test_model_scope_budget_between_extremes(tiny_model_dir, tiny_prepared, tmp_path, allocation):
+    """(The legacy embedding encodings: with 2- and 3-bit embeddings the savings buy 4-bit linears everywhere.)"""
     sizes = unit_sizes(tiny_prepared)
+    sizes["model.embed_tokens"] = {k: v for k, v in sizes["model.embed_tokens"].items() if k in LEGACY_LABELS}
     n_params = tiny_prepared.params["model"]
     rem = sum(v.numel() * 2 for v in tiny_prepared.remainder.values())
     lo = sum(min(s.values()) for s in sizes.values()) + rem
     all4 = sizes["model.embed_tokens"]["blockwise:4/b64"] + rem + sum(
         s["palettize:4"] for n, s in sizes.items() if n != "model.embed_tokens")
     bpw = round(8 * (lo + 0.3 * (all4 - lo)) / n_params, 4)  # 30% of the way from all-2-bit to all-4-bit linears
-    m = compress(cfg(tiny_model_dir, bpw=bpw, allocation=allocation), out=tmp_path / allocation,
+    m = compress(cfg(tiny_model_dir, bpw=bpw, allocation=allocation, embedding_bits="legacy"), out=tmp_path / allocation,
                  show_progress=False, prepared=tiny_prepared)
     assert m["measured_bpw"]["model"] <= bpw
     assert m["bytes"]["total"] <= math.floor(bpw * n_params / 8)
@@ -368,24 +375,27 @@ def _bpw_numbers(msg: str) -> tuple[float, float]:
     return lo, hi
 
 
-def test_infeasible_budget_message(tiny_model_dir, tiny_prepared, tmp_path):
+@pytest.mark.parametrize("emb, bpw, lo_range", [("legacy", 4.0, (4.0, 4.4)), ("auto", 2.5, (2.5, 2.9))])
+def test_infeasible_budget_message(tiny_model_dir, tiny_prepared, tmp_path, emb, bpw, lo_range):
     out = tmp_path / "never"
     with pytest.raises(QRecoverError, match="smallest") as early:  # refused from shapes, before calibration
-        compress(cfg(tiny_model_dir, bpw=4.0), out=out, show_progress=False)
+        compress(cfg(tiny_model_dir, bpw=bpw, embedding_bits=emb), out=out, show_progress=False)
     msg = str(early.value)
-    assert "largest" in msg and "4.0" in msg and "--bits 2,3,4" in msg
+    assert "largest" in msg and str(bpw) in msg and "--bits 2,3,4" in msg and f"--embedding-bits {emb}" in msg
     assert not out.exists()
     with pytest.raises(QRecoverError, match="smallest") as late:  # the same check after calibration
-        compress(cfg(tiny_model_dir, bpw=4.0), out=out, show_progress=False, prepared=tiny_prepared)
+        compress(cfg(tiny_model_dir, bpw=bpw, embedding_bits=emb), out=out, show_progress=False, prepared=tiny_prepared)
     assert not out.exists()
     lo, hi = _bpw_numbers(msg)
     assert (lo, hi) == _bpw_numbers(str(late.value))  # shape-only and measured bounds agree
     sizes = unit_sizes(tiny_prepared)
+    if emb == "legacy":
+        sizes["model.embed_tokens"] = {k: v for k, v in sizes["model.embed_tokens"].items() if k in LEGACY_LABELS}
     rem = sum(v.numel() * 2 for v in tiny_prepared.remainder.values())
     n = tiny_prepared.params["model"]
     assert lo == pytest.approx(8 * (sum(min(s.values()) for s in sizes.values()) + rem) / n, abs=1e-3)
     assert hi == pytest.approx(8 * (sum(max(s.values()) for s in sizes.values()) + rem) / n, abs=1e-3)
-    assert 4.0 < lo < 4.4 < hi
+    assert lo_range[0] < lo < lo_range[1] < hi
 
 
 def test_infeasible_scope_linear(tiny_model_dir, tmp_path):
@@ -554,7 +564,7 @@ def _interrupt(*_a, **_k):
 
 
 def test_interrupted_write_leaves_nothing(tiny_model_dir, tiny_prepared, tmp_path, monkeypatch):
-    monkeypatch.setattr(api, "save_file", _interrupt)
+    monkeypatch.setattr(stage_write, "save_file", _interrupt)
     out = tmp_path / "ck"
     with pytest.raises(KeyboardInterrupt):
         compress(cfg(tiny_model_dir, bpw=5.0), out=out, show_progress=False, prepared=tiny_prepared)
@@ -566,7 +576,7 @@ def test_interrupted_overwrite_keeps_old(tiny_model_dir, tiny_prepared, tmp_path
     out = tmp_path / "ck"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    monkeypatch.setattr(api, "save_file", _interrupt)
+    monkeypatch.setattr(stage_write, "save_file", _interrupt)
     with pytest.raises(KeyboardInterrupt):
         compress(cfg(tiny_model_dir, bpw=5.0), out=out, overwrite=True, show_progress=False, prepared=tiny_prepared)
     assert (out / "old.txt").read_text() == "old"

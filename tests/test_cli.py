@@ -287,3 +287,60 @@ def test_bpw_not_finite(bpw, tiny_model_dir, tmp_path, capsys):
     expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", bpw), capsys, "error:",
                  f"--bpw {float(bpw)}", "must be positive and finite", "--bpw 3.7")
     _nothing_written(tmp_path)
+
+
+# --- encodings as specs, finalize, device (appended with the staged compress) ---------------------------------
+
+
+def test_compress_help_lists_spec_options(capsys):
+    code, out, _ = run(["compress", "--help"], capsys)
+    assert code == 0
+    for opt in ("--encodings", "--embedding-encodings", "--scheme-param", "--no-finalize", "--device", "gptq:4/g64"):
+        assert opt in out, opt
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--encodings", "palettize:4,gtpq:4/g64"], ["'gtpq:4/g64'", "unknown scheme", "registered schemes"]),
+    (["--encodings", "palettize:4:2"], ["'palettize:4:2'", "integer width"]),
+    (["--encodings", "blockwise:4/b48"], ["'blockwise:4/b48'", "block_size=48", "divisor"]),
+    (["--encodings", "palettize:4/g7"], ["'palettize:4/g7'", "group_size=7", "divide"]),
+    (["--embedding-encodings", "blockwise:4/zz"], ["--embedding-encodings", "'blockwise:4/zz'", "option 'zz'"]),
+    (["--scheme-param", "group_size"], ["--scheme-param 'group_size' must be KEY=VALUE"]),
+    (["--scheme-param", "nonsense=1"], ["'palettize'", "no parameter(s) ['nonsense']"]),
+    (["--device", "tpu"], ["--device 'tpu'", "cpu, cuda"]),
+])
+def test_bad_spec_exit_2(args, needles, tiny_model_dir, tmp_path, capsys):
+    msg = expect_error(["compress", "--model", str(tiny_model_dir), "--out", str(tmp_path / "x"), *args], capsys, *needles)
+    assert msg.count("error:") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_transform_without_mapping_exit_2(tiny_model_dir, tmp_path, capsys):
+    """A transform whose check() refuses the architecture: one-line error, exit 2, before calibration."""
+    from qrecover.errors import QRecoverError
+    from qrecover.transforms import Transform, register_transform
+
+    @register_transform
+    class _NoMap(Transform):
+        name = "t_nomap"
+
+        def check(self, model):
+            raise QRecoverError(f"t_nomap has no mapping for {type(model).__name__}; supported: (none)")
+
+    expect_error(["compress", "--model", str(tiny_model_dir), "--encodings", "t_nomap+palettize:4,palettize:2",
+                  "--out", str(tmp_path / "x")], capsys, "t_nomap has no mapping for LlamaForCausalLM")
+    assert not (tmp_path / "x").exists()
+
+
+def test_uniform_spec_no_finalize_and_info_layers(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "u"
+    code, stdout, err = run(["compress", "--model", str(tiny_model_dir), "--encodings", "blockwise:4/b32/asym",
+                             "--no-finalize", "--device", "cpu", "--calib-samples", "1", "--seq-len", "16",
+                             "--out", str(out), "--json"], capsys)
+    assert code == 0, err
+    s = json.loads(stdout)
+    assert s["finalize"] is False and s["budget"]["bpw"] is None
+    code, stdout, err = run(["info", str(out), "--layers"], capsys)
+    assert code == 0, err
+    assert "blockwise:4/b32/asym" in stdout and "model.layers.1.mlp.down_proj" in stdout
+    assert "finalize" in flat(err + stdout)

@@ -19,6 +19,19 @@ EXAMPLES = """Examples:
 
 
   qrecover compress --model ./my-llama --bpw 3.7 --scope linear --embedding-bits 8 --json
+
+  qrecover compress --bpw 3.5 --encodings palettize:2,palettize:3,blockwise:4/b32/asym,blockwise:8/pc
+
+  qrecover compress --bpw 3.7 --encodings gptq:3/g128,gptq:4/g64 --scheme-param damp=0.02 --device cuda
+
+  qrecover compress --bpw 3.7 --embedding-encodings blockwise:3/b32/asym,palettize:3/g1,blockwise:4/b32/asym
+
+  qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
+
+Encoding specs: SCHEME:BITS, then optional /OPTION parts and an optional TRANSFORM+ prefix; OPTION is gN (group_size=N), bN (block_size=N),
+pc (per channel), sym, asym, key=value (any field of the scheme's config); e.g. gptq:4/g64/sym,
+awq+gptq:3/g128, palettize:3/g1 (one table per row). A transform (awq+...) is model-level: applied once,
+every candidate then quantizes the transformed weights.
 """
 
 
@@ -28,10 +41,15 @@ def compress(
     model: Optional[str] = ModelArg,
     bits: str = typer.Option("2,3,4", "--bits", help="Candidate widths for the decoder linear layers, e.g. 2,4 (AFM) or 2,3,4."),
     scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
-    scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers: palettize or blockwise."),
+    scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...); with --bits, shorthand for --encodings SCHEME:B1,SCHEME:B2,..."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per scale (default 64)."),
-    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32 and 8-bit per-channel), 4 or 8."),
+    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="Shorthand for --embedding-encodings: 'auto' (4-bit row-wise blocks of 128/64/32, 8-bit per-channel, 3/2-bit blocks of 32, 4/3-bit per-row tables), 'legacy' (the first four only), 4 or 8."),
+    encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. palettize:2,palettize:3,gptq:4/g64,blockwise:8 (overrides --scheme/--bits)."),
+    embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. blockwise:4/b32/asym,palettize:3/g1 (overrides --embedding-bits)."),
+    scheme_param: Optional[list[str]] = typer.Option(None, "--scheme-param", help="KEY=VALUE for the linear layers' scheme(s), repeatable, e.g. --scheme-param group_size=8 --scheme-param iters=50."),
+    finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="Re-quantize each layer with its chosen encoding on the outputs of the already quantized layers (default on)."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when available): where calibration, quantization and finalize run, one decoder layer at a time."),
     allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
     calib_data: str = CalibDataOpt,
     calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
@@ -51,8 +69,11 @@ def compress(
         params["group_size"] = group_size
     if block_size is not None:
         params["block_size"] = block_size
+    from ..compress.specs import parse_params
+
+    params.update(parse_params(scheme_param or []))
     widths = parse_ints(bits, "--bits")
-    if uniform or (bpw is None and len(widths) == 1):
+    if uniform or (bpw is None and (len(widths) == 1 if not encodings else len([e for e in encodings.split(",") if e.strip()]) == 1)):
         if bpw is not None:
             raise QRecoverError(f"--uniform and --bpw {bpw} contradict each other; drop one")
         target = None
@@ -61,15 +82,18 @@ def compress(
     cfg = CompressConfig(
         model=model, bpw=target, scope=scope, bits=widths, scheme=scheme,
         scheme_params=params, embedding_bits=embedding_bits, allocation=allocation, calib_data=calib_data,
-        calib_samples=calib_samples, seq_len=seq_len,
+        calib_samples=calib_samples, seq_len=seq_len, encodings=encodings, embedding_encodings=embedding_encodings,
+        finalize=finalize, device=device,
     )
     if out is None:
         name = Path(model).stem if model else DEFAULT_MODEL
-        out = Path("out") / (f"{name}-{cfg.bpw}bpw" if cfg.bpw is not None else f"{name}-uniform{cfg.bits[0]}bit")
-    manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out)
+        uniform_name = (encodings or "").strip().replace(":", "").replace("/", "-").replace("+", "-") or f"{cfg.bits[0]}bit"
+        out = Path("out") / (f"{name}-{cfg.bpw}bpw" if cfg.bpw is not None else f"{name}-uniform{uniform_name}")
+    manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out)  # bad specs fail before any work
     summary = {"out": str(out), "measured_bpw": manifest["measured_bpw"], "bytes": manifest["bytes"],
                "budget": manifest["budget"], "seconds": manifest["seconds"],
-               "predicted_loss_increase": manifest["sensitivity"]["predicted_loss_increase"]}
+               "predicted_loss_increase": manifest["sensitivity"]["predicted_loss_increase"],
+               "finalize": manifest["finalize"]["enabled"]}
     if json_out:
         emit_json(summary)
         return

@@ -21,7 +21,7 @@ EXAMPLES = """Examples:
 
 def info(
     path: Path = typer.Argument(..., help="A checkpoint directory written by `qrecover compress`."),
-    layers: bool = typer.Option(False, "--layers", help="List every layer (scheme, bits, bytes, estimated damage)."),
+    layers: bool = typer.Option(False, "--layers", help="List every layer (encoding, scheme, bits, bytes, estimated damage)."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Show a checkpoint's manifest: source, budget, measured bits per weight, per-layer choices."""
@@ -36,7 +36,9 @@ def info(
     t.add_row("architecture", m["architecture"])
     t.add_row("parameters", f"{m['parameters']['model']:,} (linear {m['parameters']['linear']:,})")
     b = m["budget"]
-    t.add_row("budget", f"{b['bpw']} bpw over {b['scope']}, bits {b['bits']}, allocation {b['allocation']}")
+    t.add_row("budget", f"{b['bpw']} bpw over {b['scope']}, allocation {b['allocation']}")
+    t.add_row("candidates", f"linear {', '.join(b.get('encodings') or [str(x) for x in b['bits']])}; "
+              f"embedding {', '.join(b.get('embedding_encodings') or [str(b.get('embedding_bits'))])}")
     t.add_row("measured bpw", f"model {m['measured_bpw']['model']:.4f}, linear {m['measured_bpw']['linear']:.4f}")
     t.add_row("bytes", ", ".join(f"{k} {v:,}" for k, v in m["bytes"].items()))
     mix = Counter(v["label"] for v in m["layers"].values() if v["kind"] == "linear")
@@ -44,12 +46,19 @@ def info(
     for n, v in m["layers"].items():
         if v["kind"] != "linear":
             t.add_row(v["kind"], f"{n}: {v['label']} {v['params']}" + (f", tied to {v['tied_to']}" if "tied_to" in v else ""))
-    t.add_row("predicted loss increase", f"{m['sensitivity']['predicted_loss_increase']:.4f} nats")
+    pred = m["sensitivity"]["predicted_loss_increase"]
+    t.add_row("predicted loss increase", "not estimated (nothing to allocate)" if pred is None else f"{pred:.4f} nats")
+    fin = m.get("finalize", {})
+    t.add_row("finalize", f"on: {fin.get('mode')}, {fin.get('seconds')} s" if fin.get("enabled") else "off")
+    if m.get("transforms"):
+        t.add_row("transforms", f"{'+'.join(m['transforms']['names'])} ({m['transforms']['applies_to']})")
     c = m["calibration"]
-    t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens, loss {c['loss']:.3f}")
+    loss = "" if c.get("loss") is None else f", loss {c['loss']:.3f}"
+    t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens{loss}")
     t.add_row("created", f"{m.get('created')} in {m.get('seconds')} s with {m['versions']}")
     console.print(t)
     if layers:  # plain aligned lines: full layer names, easy to grep
-        print(f"{'layer':<48} {'scheme':<10} {'bits':>4} {'bpw':>6} {'bytes':>12} {'est. damage':>12}")
+        print(f"{'layer':<48} {'encoding':<24} {'scheme':<10} {'bits':>4} {'bpw':>6} {'bytes':>12} {'est. damage':>12}")
         for n, v in m["layers"].items():
-            print(f"{n:<48} {v['scheme']:<10} {v['bits']:>4} {v['bpw']:>6.3f} {v['nbytes']:>12,} {v['damage']:>12.2e}")
+            dmg = "-" if v.get("damage") is None else f"{v['damage']:.2e}"
+            print(f"{n:<48} {v['label']:<24} {v['scheme']:<10} {v['bits']:>4} {v['bpw']:>6.3f} {v['nbytes']:>12,} {dmg:>12}")

@@ -82,5 +82,5 @@ class Blockwise(Quantizer):
         if "zero_point" in qw.tensors:
             zp = unpack(qw.tensors["zero_point"], qw.bits, n_blocks).view(out_f, in_f // b, 1).to(dtype)
         else:
-            zp = torch.full((), 2 ** (qw.bits - 1), dtype=dtype)
+            zp = torch.full((), 2 ** (qw.bits - 1), dtype=dtype, device=codes.device)
         return ((codes - zp) * scale).reshape(out_f, in_f)

@@ -64,11 +64,12 @@ class SortedGroups:
         """``(n, k + 1)`` cluster boundaries in sorted order: value i goes to the nearest centroid."""
         bounds = ((centroids[:, 1:].float() + centroids[:, :-1].float()) / 2).contiguous()
         inner = torch.searchsorted(self.xs, bounds)
-        return torch.cat([torch.zeros(self.n, 1, dtype=torch.long), inner, torch.full((self.n, 1), self.m)], dim=1)
+        return torch.cat([torch.zeros(self.n, 1, dtype=torch.long, device=inner.device), inner,
+                          torch.full((self.n, 1), self.m, device=inner.device)], dim=1)
 
     def codes(self, edges: torch.Tensor) -> torch.Tensor:
         """``(n, m)`` int64 cluster index of every value, in the original (unsorted) order."""
-        marks = torch.zeros(self.n, self.m + 1, dtype=torch.int32).scatter_add_(
+        marks = torch.zeros(self.n, self.m + 1, dtype=torch.int32, device=edges.device).scatter_add_(
             1, edges[:, 1:-1], torch.ones_like(edges[:, 1:-1], dtype=torch.int32)
         )
         codes_sorted = marks.cumsum(1, dtype=torch.int32)[:, : self.m].long()
@@ -82,7 +83,7 @@ class SortedGroups:
         stops when no assignment changes (a fixed point of Lloyd's algorithm).
         """
         total = self.cw[:, -1:]
-        quantiles = (torch.arange(k, dtype=torch.float64) + 0.5) / k * total
+        quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
         idx = torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1)
         c = self.xs.gather(1, idx)
         e = self.edges(c)
@@ -150,7 +151,7 @@ class Palettize(Quantizer):
             self.check(shape, bits)
         out_f, in_f = shape
         g, c = self._geometry(shape)
-        imp = self.importance(shape, stats)
+        imp = self.importance(shape, stats, weight.device)
         groups = SortedGroups(_to_groups(weight.detach().float(), g, c), _to_groups(imp, g, c))
         # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
         luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
@@ -161,13 +162,14 @@ class Palettize(Quantizer):
         return [self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut.contiguous()})
                 for bits, lut, codes in zip(bits_list, luts, all_codes)]
 
-    def importance(self, shape: tuple[int, int], stats: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``(O, I)`` k-means weights, mean 1 (see the module docstring); all ones when unweighted or
-        without statistics."""
+    def importance(self, shape: tuple[int, int], stats: dict[str, torch.Tensor],
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """``(O, I)`` k-means weights, mean 1 (see the module docstring); all ones (on ``device``) when
+        unweighted or without statistics."""
         out_f, in_f = shape
         cfg = self.config
         if not cfg.weighted or not ("element_sq" in stats or "input_sq" in stats):
-            return torch.ones(out_f, in_f)
+            return torch.ones(out_f, in_f, device=device)
         if "element_sq" in stats:
             imp = stats["element_sq"].float()
         elif cfg.weighting == "fisher":
@@ -192,7 +194,7 @@ class Palettize(Quantizer):
             t = lut.float().view(out_f // g, in_f // c, -1)  # (row groups, column blocks, K)
             b = (t[..., 1:] + t[..., :-1]) / 2
             pad = k_max - t.shape[-1]
-            b = torch.cat([b, torch.full((*b.shape[:2], pad), float("inf"))], dim=-1)
+            b = torch.cat([b, torch.full((*b.shape[:2], pad), float("inf"), device=b.device)], dim=-1)
             t = torch.cat([t, t[..., -1:].expand(*t.shape[:2], pad)], dim=-1)
             bounds.append(b.repeat_interleave(g, dim=0))  # (out, column blocks, K_max - 1)
             tables.append(t.repeat_interleave(g, dim=0))  # (out, column blocks, K_max)

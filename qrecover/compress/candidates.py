@@ -1,0 +1,56 @@
+"""Stage ``candidates``: quantize one unit (a linear layer, the embedding, an untied output matrix) at every
+allowed encoding, with each result's estimated damage (:mod:`qrecover.sensitivity`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..schemes import QuantizedWeight
+from ..schemes.feedback import inverse_hessian_factor
+from .specs import Encoding
+
+DamageFn = Callable[[torch.Tensor], float]
+
+
+def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    return dataclasses.replace(qw, tensors={k: v.cpu() for k, v in qw.tensors.items()})
+
+
+def stats_for(enc: Encoding, stats: dict[str, torch.Tensor], cache: dict) -> dict[str, torch.Tensor]:
+    """``stats`` plus, for a quantizer with a ``damp`` parameter that needs the Hessian (GPTQ), the inverse
+    Hessian's Cholesky factor as ``hessian_inv_chol``, computed once per (Hessian, damp): q/k/v share it."""
+    damp = enc.params.get("damp")
+    if damp is None or "hessian" not in stats or "hessian" not in enc.quantizer.needs:
+        return stats
+    key = (id(stats["hessian"]), float(damp))
+    if key not in cache:
+        cache[key] = (stats["hessian"], inverse_hessian_factor(stats["hessian"], float(damp)).to(stats["hessian"].device))
+    return {**stats, "hessian_inv_chol": cache[key][1]}
+
+
+def quantize_unit(weight: torch.Tensor, encodings: Sequence[Encoding], stats: dict[str, torch.Tensor],
+                  damage_fn: DamageFn | None, cache: dict | None = None) -> list[tuple[QuantizedWeight, float | None]]:
+    """``[(QuantizedWeight on the CPU, damage or None)]`` for every encoding of ``encodings``, in order.
+
+    Encodings with the same scheme and parameters are quantized in one ``quantize_many`` call (shared work
+    across widths). ``weight (out, in)`` and ``stats`` live on the compute device.
+    """
+    cache = {} if cache is None else cache
+    by_key: dict[str, list[Encoding]] = {}
+    for e in encodings:
+        by_key.setdefault(e.key, []).append(e)
+    done: dict[Encoding, QuantizedWeight] = {}
+    for group in by_key.values():
+        q = group[0].quantizer
+        for e, qw in zip(group, q.quantize_many(weight, [e.bits for e in group], stats_for(group[0], stats, cache))):
+            done[e] = qw
+    w = weight.detach().float()
+    out = []
+    for e in encodings:
+        qw = done[e]
+        damage = None if damage_fn is None else max(damage_fn(w - qw.dequantize().to(w.device)), 0.0)
+        out.append((to_cpu(qw), damage))
+    return out

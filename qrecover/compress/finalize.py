@@ -1,0 +1,86 @@
+"""Stage ``finalize``: re-quantize every decoder linear layer with its CHOSEN encoding on inputs produced by
+the already quantized layers before it (GPTQ's sequential mode), then hand the packed weights to ``write``.
+
+Layer by layer, one decoder layer on the compute device at a time; inside a layer, linear layers are taken
+in groups that share an input (q/k/v, then o, then gate/up, then down: "true sequential"), each group's
+statistics collected with the earlier groups already quantized. The first layer's inputs come from the
+quantized embedding. A quantizer that needs no input statistics (round-to-nearest) gives the same result on
+any input (it is re-quantized without a statistics pass); its dequantized weight still feeds the layers after it. The
+model's weights are restored afterwards (a :class:`~qrecover.api.Prepared` serves further budgets).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups, progress
+from ..models import decoder_layers, linear_layers, module_name
+from ..schemes import QuantizedWeight
+from ..sensitivity import linear_damage
+from .candidates import quantize_unit
+from .specs import Encoding
+
+INPUT_STATS = frozenset({"hessian", "input_sq"})
+
+
+@torch.no_grad()
+def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding], fixed: dict[str, QuantizedWeight],
+             out_grad_sq: dict[str, torch.Tensor] | None, device, show_progress: bool = True
+             ) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
+    """``chosen``: decoder linear name -> its encoding; ``fixed``: already final units (the embedding, by
+    module name; its chosen weight feeds the first layer). ``out_grad_sq``: the gradient pass's moments (for
+    quantizers that need them, and for the finalized damage estimate), or None.
+
+    Returns ``(packed weights by linear name, info)``; ``info["damage"]`` is each re-quantized layer's
+    estimated damage under the statistics it was re-quantized with.
+    """
+    t0 = time.time()
+    layers = decoder_layers(model)
+    prefix = module_name(model, layers)
+    emb = model.get_input_embeddings()
+    emb_name = module_name(model, emb)
+    saved = emb.weight.data
+    if emb_name in fixed:
+        emb.weight.data = fixed[emb_name].dequantize().to(saved.dtype)
+    try:
+        hidden, kwargs = capture_inputs(model, windows, device)
+    finally:
+        emb.weight.data = saved
+    result: dict[str, QuantizedWeight] = {}
+    damage: dict[str, float] = {}
+    with progress() as bar:
+        task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
+        for i, layer in enumerate(layers):
+            layer.to(device)
+            lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
+            originals = {n: m.weight.data.clone() for n, m in lins.items()}
+            try:
+                for group in linear_groups(layer, hidden[0], kwargs[0], lins):
+                    want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
+                    stats = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=False,
+                                        hessian_dtype=torch.float32)[0] if want else {n: {} for n in group}
+                    cache: dict = {}
+                    for n in group:
+                        st = dict(stats[n])
+                        if out_grad_sq is not None:
+                            st["out_grad_sq"] = out_grad_sq[n].to(device)
+                        w = lins[n].weight
+                        qw, _ = quantize_unit(w, [chosen[n]], st, None, cache)[0]
+                        deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
+                        if "hessian" in st and out_grad_sq is not None:
+                            damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
+                        result[n] = qw
+                        w.data.copy_(deq)  # the next groups and layers see the quantized layer
+                    del stats
+                hidden = forward_layer(layer, hidden, kwargs)
+            finally:
+                for n, m in lins.items():
+                    m.weight.data.copy_(originals[n])
+                layer.to("cpu")
+            bar.advance(task)
+    return result, {"mode": "true-sequential (groups sharing an input, in call order)", "damage": damage,
+                    "seconds": round(time.time() - t0, 1)}

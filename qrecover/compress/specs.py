@@ -1,0 +1,226 @@
+"""Encodings as specs: how a layer may be stored, written as text. The one place the grammar lives.
+
+Grammar (spaces ignored; a list is comma-separated)::
+
+    LIST      := ENCODING ("," ENCODING)*
+    ENCODING  := (TRANSFORM "+")* SCHEME ":" BITS ("/" OPTION)*
+    OPTION    := "g" INT          group_size=INT   (palettize: rows per table; gptq: columns per scale)
+               | "b" INT          block_size=INT   (blockwise: elements per scale; palettize: columns per table)
+               | "pc"             block_size=None  (one scale / table per whole row: per channel)
+               | "sym" | "asym"   symmetric=True / False
+               | KEY "=" VALUE    any field of the scheme's config; VALUE is an int, a float, true/false,
+                                  none, or text
+
+Examples: ``palettize:3``, ``palettize:4/g1`` (a table per row), ``blockwise:4/b32/asym``,
+``blockwise:8/pc``, ``gptq:4/g64/sym``, ``awq+gptq:3/g128``, ``palettize:2/iters=50``.
+
+``TRANSFORM`` names a registered function-preserving transform (:mod:`qrecover.transforms`). Transforms are
+model-level: they are applied once, before calibration, and then *every* candidate quantizes the transformed
+weights (``awq+gptq:4`` and ``gptq:4`` in one list are the same encoding of the transformed model; the
+manifest says so).
+
+Options the spec does not give come from ``defaults`` (``--scheme-param``) where the scheme has that field,
+then from the scheme's own defaults. :func:`parse_encodings` checks scheme names, option names, bits and
+transforms, and fails with one line naming the bad spec and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import QRecoverError
+from ..schemes import get_quantizer, quantizer_names
+from ..schemes.base import _REGISTRY
+from ..transforms import transform_names
+
+GRAMMAR = "[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym"
+
+_SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
+_SPEC_RE = re.compile(r"^(?:(?P<tf>[A-Za-z_][\w-]*(?:\+[A-Za-z_][\w-]*)*)\+)?(?P<scheme>[A-Za-z_][\w-]*):(?P<bits>[^/]*)(?P<opts>(?:/[^/]*)*)$")
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One way to store one matrix: ``label`` (the spec as written), the scheme, all its parameters (defaults
+    resolved), the bits, and the model-level transforms the spec names. Equality and hashing ignore ``label``."""
+
+    label: str = field(compare=False)
+    scheme: str
+    params_json: str  # every config field, JSON with sorted keys (hashable)
+    bits: int
+    transforms: tuple[str, ...] = ()
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return json.loads(self.params_json)
+
+    @property
+    def quantizer(self):
+        return get_quantizer(self.scheme, **self.params)
+
+    @property
+    def key(self) -> str:
+        """Encodings with the same key share one ``quantize_many`` call (same scheme and parameters)."""
+        return json.dumps([self.scheme, self.params_json])
+
+
+def make_encoding(scheme: str, bits: int, params: dict[str, Any] | None = None, transforms: tuple[str, ...] = (),
+                  label: str | None = None) -> Encoding:
+    full = get_quantizer(scheme, **dict(params or {})).params  # every field resolved: equal storage, equal encoding
+    enc = Encoding(label or "", scheme, json.dumps(full, sort_keys=True), int(bits), tuple(transforms))
+    return dataclasses.replace(enc, label=label or format_encoding(enc))
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_encoding(text: str, defaults: dict[str, Any] | None = None, what: str = "--encodings") -> Encoding:
+    """One spec (see the module docstring) -> :class:`Encoding`, validated against the registries."""
+    spec = "".join(text.split())
+    m = _SPEC_RE.match(spec)
+    if not m:
+        raise QRecoverError(f"{what}: {text!r} is not an encoding spec; write {GRAMMAR}")
+    scheme = m["scheme"]
+    if scheme not in _REGISTRY:
+        raise QRecoverError(f"{what}: {text!r} names unknown scheme {scheme!r}; registered schemes: {quantizer_names()}")
+    transforms = tuple(m["tf"].split("+")) if m["tf"] else ()
+    for t in transforms:
+        if t not in transform_names():
+            raise QRecoverError(f"{what}: {text!r} names unknown transform {t!r}; registered transforms: {transform_names()}")
+    if not re.fullmatch(r"\d+", m["bits"]):
+        raise QRecoverError(f"{what}: {text!r} has bits {m['bits']!r}; write an integer width after the colon, e.g. {scheme}:4")
+    bits = int(m["bits"])
+    cls = _REGISTRY[scheme]
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    params = {k: v for k, v in (defaults or {}).items() if k in fields}
+    for opt in (m["opts"] or "").split("/")[1:]:
+        if opt in _SHORT:
+            key, val = _SHORT[opt]
+        elif re.fullmatch(r"[gb]\d+", opt):
+            key, val = {"g": "group_size", "b": "block_size"}[opt[0]], int(opt[1:])
+        elif "=" in opt and opt.split("=", 1)[0]:
+            key, raw = opt.split("=", 1)
+            val = _value(raw)
+        else:
+            raise QRecoverError(f"{what}: {text!r} has option {opt!r}; options are gN, bN, pc, sym, asym or key=value")
+        if key not in fields:
+            raise QRecoverError(f"{what}: {text!r} sets {key!r}, which scheme {scheme!r} does not have; it takes {sorted(fields)}")
+        params[key] = val
+    try:
+        q = get_quantizer(scheme, **params)
+    except TypeError as e:  # a value the config rejects
+        raise QRecoverError(f"{what}: {text!r}: {e}") from None
+    if bits not in q.supported_bits:
+        raise QRecoverError(f"{what}: {text!r}: scheme {scheme!r} does not support bits={bits}; choose from {list(q.supported_bits)}")
+    return make_encoding(scheme, bits, params, transforms, label=spec)
+
+
+def parse_params(items: list[str], what: str = "--scheme-param") -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: value}`` (values as in specs: int, float, true/false, none, text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip() or not raw.strip():
+            raise QRecoverError(f"{what} {item!r} must be KEY=VALUE, e.g. {what} group_size=8")
+        out[key.strip()] = _value(raw.strip())
+    return out
+
+
+def parse_encodings(text: str, defaults: dict[str, Any] | None = None, what: str = "--encodings") -> list[Encoding]:
+    """A comma-separated list of specs -> encodings (duplicates dropped, order kept). ``defaults``: parameters
+    applied to every spec whose scheme has that field (``--scheme-param``); a default no spec can take is an error."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise QRecoverError(f"{what} {text!r} names no encoding; write {GRAMMAR}")
+    out: list[Encoding] = []
+    for p in parts:
+        e = parse_encoding(p, defaults, what)
+        if e not in out:
+            out.append(e)
+    for k in defaults or {}:
+        if not any(k in {f.name for f in dataclasses.fields(_REGISTRY[e.scheme].Config)} for e in out):
+            raise QRecoverError(f"--scheme-param {k}: none of {what} {text!r} has a parameter {k!r}; drop it or pick a scheme that takes it")
+    return out
+
+
+def format_encoding(enc: Encoding) -> str:
+    """The canonical spec of ``enc``: ``parse_encoding(format_encoding(e)) == e``."""
+    opts = []
+    for k, v in sorted(enc.params.items()):
+        if k == "block_size" and v is None:
+            opts.append("pc")
+        elif k == "symmetric" and isinstance(v, bool):
+            opts.append("sym" if v else "asym")
+        elif k in ("group_size", "block_size") and isinstance(v, int) and not isinstance(v, bool):
+            opts.append(f"{k[0]}{v}")
+        else:
+            opts.append(f"{k}={'none' if v is None else str(v).lower() if isinstance(v, bool) else v}")
+    head = "".join(f"{t}+" for t in enc.transforms) + f"{enc.scheme}:{enc.bits}"
+    return "/".join([head, *opts])
+
+
+# --- the shorthands ------------------------------------------------------------------------------------------
+
+#: ``--embedding-bits 4|8`` and the first part of ``auto``: the row-wise integer blocks and AFM's int8 that
+#: qrecover has always offered (their labels are kept as they were).
+LEGACY_EMBEDDING = [
+    make_encoding("blockwise", 4, {"block_size": 128, "symmetric": False}, label="blockwise:4/b128"),
+    make_encoding("blockwise", 4, {"block_size": 64, "symmetric": False}, label="blockwise:4/b64"),
+    make_encoding("blockwise", 4, {"block_size": 32, "symmetric": False}, label="blockwise:4/b32"),
+    make_encoding("blockwise", 8, {"block_size": None, "symmetric": True}, label="blockwise:8"),
+]
+
+#: added to ``auto``: lower widths for models whose embedding is a large share of the weights, and per-row
+#: look-up tables (one table per token row, so unrelated tokens never share one).
+EXTRA_EMBEDDING = [
+    make_encoding("blockwise", 3, {"block_size": 32, "symmetric": False}, label="blockwise:3/b32/asym"),
+    make_encoding("blockwise", 2, {"block_size": 32, "symmetric": False}, label="blockwise:2/b32/asym"),
+    make_encoding("palettize", 4, {"group_size": 1, "error_feedback": False}, label="palettize:4/g1"),
+    make_encoding("palettize", 3, {"group_size": 1, "error_feedback": False}, label="palettize:3/g1"),
+]
+
+
+def linear_encodings(scheme: str, bits: list[int], params: dict[str, Any], encodings: str | None) -> list[Encoding]:
+    """The decoder linear layers' candidates: ``encodings`` (a spec list) if given, else ``scheme`` at every
+    width of ``bits`` with ``params`` (``--scheme/--bits`` shorthand; labels ``scheme:bits`` as before)."""
+    if encodings:
+        return parse_encodings(encodings, params)
+    q = get_quantizer(scheme, **params)  # unknown scheme / parameter: its own one-line error
+    if bad := [b for b in bits if b not in q.supported_bits]:
+        raise QRecoverError(f"--bits {','.join(map(str, bits))}: scheme {scheme!r} does not support {bad}; choose from {list(q.supported_bits)}")
+    return [make_encoding(scheme, b, params, label=f"{scheme}:{b}") for b in sorted(bits)]
+
+
+def embedding_encodings(mode: str, encodings: str | None, budgeted: bool) -> list[Encoding]:
+    """The embedding's (and an untied output matrix's) candidates. ``encodings`` (a spec list) wins;
+    else ``mode``: 'auto' = every legacy and extra encoding when the embedding is inside a budget (else
+    AFM's int8: nothing to trade it against), '4' = the 4-bit blocks, '8' = int8 per channel,
+    'legacy' = the four encodings of qrecover <= 0.x's auto."""
+    if encodings:
+        return parse_encodings(encodings, what="--embedding-encodings")
+    if mode == "auto" and not budgeted:
+        mode = "8"
+    if mode == "auto":
+        return LEGACY_EMBEDDING + EXTRA_EMBEDDING
+    if mode == "legacy":
+        return list(LEGACY_EMBEDDING)
+    return [e for e in LEGACY_EMBEDDING if e.bits == int(mode)]
+
+
+__all__ = ["Encoding", "GRAMMAR", "parse_params", "LEGACY_EMBEDDING", "EXTRA_EMBEDDING", "embedding_encodings", "format_encoding",
+           "linear_encodings", "make_encoding", "parse_encoding", "parse_encodings"]

@@ -1,0 +1,442 @@
+"""Tests for the compress stages (:mod:`qrecover.compress`) on pure inputs and on the tiny Llama (conftest).
+
+Checks: encoding specs parse to the scheme parameters they name, round-trip through their canonical text,
+and every bad spec is a one-line QRecoverError naming the spec and the fix; calibration computes only what
+the chosen quantizers' ``needs`` ask for (a quantizer that needs nothing: no Hessian, no backward pass;
+q/k/v and gate/up share one Hessian computation); ``finalize`` with an identity quantizer is the identity
+and otherwise sees the inputs produced by the already quantized layers; one knapsack picks different
+schemes per layer when the damage table says so; the old default path (``--embedding-bits legacy
+--no-finalize``) gives exactly the choices the code before the redesign made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qrecover
+import qrecover.calibrate as calib
+from qrecover.allocate import Choice
+from qrecover.api import compress, prepare
+from qrecover.compress import calibrate as stage_calibrate
+from qrecover.compress.allocation import Budget, Infeasible, choose
+from qrecover.compress.calibrate import layer_pass, plan_stats
+from qrecover.compress.finalize import finalize
+from qrecover.compress.specs import (LEGACY_EMBEDDING, embedding_encodings, format_encoding, linear_encodings,
+                                     make_encoding, parse_encoding, parse_encodings, parse_params)
+from qrecover.config import CompressConfig
+from qrecover.errors import QRecoverError
+from qrecover.models import decoder_layers, linear_layers
+from qrecover.schemes import QuantizedWeight, Quantizer, get_quantizer, register_quantizer
+from qrecover.schemes.base import doc_field
+
+
+# --- test-only quantizers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _NoConfig:
+    note: int = doc_field(0, "unused")
+
+
+@register_quantizer
+class _Identity(Quantizer):
+    """Stores the weight exactly (fp32): quantizing changes nothing. Needs no statistics."""
+
+    name = "t_identity"
+    supported_bits = (8,)
+    Config = _NoConfig
+
+    def nbytes(self, shape, bits):
+        return shape[0] * shape[1] * 4
+
+    def quantize(self, weight, bits, stats):
+        return self._pack(bits, tuple(weight.shape), {"qdata": weight.detach().float().clone()})
+
+    def dequantize(self, qw, dtype=torch.float32):
+        return qw.tensors["qdata"].to(dtype)
+
+
+SEEN: dict[str, list[dict]] = {}
+
+
+@dataclass
+class _SpyConfig:
+    step: float = doc_field(0.05, "rounding step")
+
+
+@register_quantizer
+class _SpyRound(Quantizer):
+    """Rounds to a fixed grid (input-independent) and records the statistics it was given."""
+
+    name = "t_spy"
+    supported_bits = (4,)
+    needs = frozenset({"hessian"})
+    Config = _SpyConfig
+
+    def nbytes(self, shape, bits):
+        return shape[0] * shape[1] * 4
+
+    def quantize(self, weight, bits, stats):
+        SEEN.setdefault("calls", []).append({k: v.clone() for k, v in stats.items() if isinstance(v, torch.Tensor)})
+        s = self.config.step
+        return self._pack(bits, tuple(weight.shape), {"qdata": (torch.round(weight.detach().float() / s) * s)})
+
+    def dequantize(self, qw, dtype=torch.float32):
+        return qw.tensors["qdata"].to(dtype)
+
+
+# --- specs ---------------------------------------------------------------------------------------------------
+
+
+def test_spec_options_reach_the_scheme():
+    e = parse_encoding("blockwise:4/b32/asym")
+    assert (e.scheme, e.bits) == ("blockwise", 4)
+    assert e.params == {"block_size": 32, "symmetric": False} and e.label == "blockwise:4/b32/asym"
+    assert parse_encoding("blockwise:8/pc").params == {"block_size": None, "symmetric": True}
+    p = parse_encoding("palettize:3/g1/iters=50/weighted=false/importance_power=1.5").params
+    assert p["group_size"] == 1 and p["iters"] == 50 and p["weighted"] is False and p["importance_power"] == 1.5
+    assert p["block_size"] is None and p["error_feedback"] is True  # defaults resolved
+    # the default of --scheme-param applies where the scheme has the field; the spec wins
+    a, b = parse_encodings("palettize:2/g8,blockwise:4", {"group_size": 32})
+    assert a.params["group_size"] == 8 and b.params == {"block_size": 64, "symmetric": True}
+    # equal storage is an equal encoding (labels aside), duplicates dropped
+    assert parse_encoding("palettize:4") == parse_encoding("palettize:4/g16")
+    assert len(parse_encodings("palettize:4,palettize:4/g16,palettize:3")) == 2
+    assert parse_encoding("blockwise:4/b64") != parse_encoding("blockwise:4/b64/asym")
+
+
+@pytest.mark.parametrize("text", ["palettize:2", "palettize:3/g1/pc", "blockwise:4/b32/asym", "blockwise:8/pc",
+                                  "palettize:4/b128/error_feedback=false/iters=7", "t_spy:4/step=0.25"])
+def test_spec_round_trip(text):
+    e = parse_encoding(text)
+    canon = format_encoding(e)
+    assert parse_encoding(canon) == e
+    assert format_encoding(parse_encoding(canon)) == canon
+    assert get_quantizer(e.scheme, **e.params).params == e.params
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("pallettize:4", ["'pallettize:4'", "unknown scheme", "palettize"]),
+    ("palettize", ["'palettize'", "not an encoding spec", "SCHEME:BITS"]),
+    ("palettize:x", ["'palettize:x'", "integer width"]),
+    ("palettize:5", ["'palettize:5'", "does not support bits=5", "[2, 3, 4, 6, 8]"]),
+    ("blockwise:4/q7", ["'blockwise:4/q7'", "option 'q7'", "gN, bN"]),
+    ("blockwise:4/group_size=8", ["'blockwise:4/group_size=8'", "'group_size'", "block_size"]),
+    ("nope+palettize:4", ["'nope+palettize:4'", "unknown transform 'nope'"]),
+    ("palettize:4//g8", ["'palettize:4//g8'", "option ''"]),
+])
+def test_spec_errors_are_one_line(text, needles):
+    with pytest.raises(QRecoverError) as e:
+        parse_encodings(text)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--encodings")
+    for n in needles:
+        assert n in msg, (n, msg)
+
+
+def test_spec_list_and_param_errors():
+    with pytest.raises(QRecoverError, match="names no encoding"):
+        parse_encodings(" , ")
+    with pytest.raises(QRecoverError, match=r"--scheme-param iters: none of --encodings 'blockwise:4'"):
+        parse_encodings("blockwise:4", {"iters": 3})
+    assert parse_params(["group_size=8", "symmetric=false", "damp=0.02", "x=none"]) == {
+        "group_size": 8, "symmetric": False, "damp": 0.02, "x": None}
+    with pytest.raises(QRecoverError, match="must be KEY=VALUE"):
+        parse_params(["group_size"])
+
+
+def test_shorthands():
+    assert [e.label for e in linear_encodings("palettize", [4, 2], {}, None)] == ["palettize:2", "palettize:4"]
+    assert linear_encodings("palettize", [2], {"group_size": 8}, None)[0].params["group_size"] == 8
+    with pytest.raises(QRecoverError, match=r"does not support \[5\]"):
+        linear_encodings("palettize", [5], {}, None)
+    assert embedding_encodings("auto", None, budgeted=False) == [LEGACY_EMBEDDING[3]]  # int8 without a budget
+    auto = embedding_encodings("auto", None, budgeted=True)
+    assert auto[:4] == LEGACY_EMBEDDING and {e.bits for e in auto} == {2, 3, 4, 8}
+    assert any(e.scheme == "palettize" and e.params["group_size"] == 1 for e in auto)  # per-row tables
+    assert [e.bits for e in embedding_encodings("4", None, True)] == [4, 4, 4]
+    assert embedding_encodings("auto", "blockwise:3/b32/asym", True)[0].params == {"block_size": 32, "symmetric": False}
+
+
+# --- allocation ----------------------------------------------------------------------------------------------
+
+
+def test_choose_budget_and_scope():
+    table = {"a": [Choice("x", 10, 1.0), Choice("y", 20, 0.1)], "b": [Choice("x", 10, 5.0), Choice("y", 20, 0.2)],
+             "e": [Choice("z", 7, 0.0), Choice("w", 9, 0.0)]}
+    assert choose(table, Budget(None, 1, 0, ["a", "b"])) == {"a": 0, "b": 0, "e": 0}
+    # 8 * (30 + 5 fixed) / 8 params -> 35 bytes, 30 for a, b: b (the larger damage saved) gets y; e is outside
+    got = choose(table, Budget(8 * 35 / 8 / 1, 8, 5, ["a", "b"]))
+    assert got == {"a": 0, "b": 1, "e": 1}
+    with pytest.raises(Infeasible) as e:
+        choose(table, Budget(1.0, 8, 5, ["a", "b"]))
+    assert e.value.lo == pytest.approx(8 * 25 / 8) and e.value.hi == pytest.approx(8 * 45 / 8)
+
+
+# --- calibration: only what is needed --------------------------------------------------------------------------
+
+
+def test_plan_stats():
+    spy, ident, pal = parse_encoding("t_spy:4"), parse_encoding("t_identity:8"), parse_encoding("palettize:4")
+    emb8 = LEGACY_EMBEDDING[3]  # blockwise needs nothing
+    p = plan_stats([ident], [emb8], damage=False)
+    assert p.layer == frozenset() and not p.gradients
+    p = plan_stats([spy], [emb8], damage=False)
+    assert p.layer == {"hessian"} and not p.gradients
+    assert plan_stats([pal], [emb8], damage=False).layer == {"hessian", "input_sq"}
+    p = plan_stats([ident], [emb8], damage=True)  # the damage estimate needs the Hessian and the gradients
+    assert p.layer == {"hessian"} and p.gradients
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = {"xtx": 0, "gradients": 0}
+    real_xtx, real_grad = calib.xtx, calib.gradient_stats
+
+    def xtx(*a, **k):
+        calls["xtx"] += 1
+        return real_xtx(*a, **k)
+
+    def grad(*a, **k):
+        calls["gradients"] += 1
+        return real_grad(*a, **k)
+
+    monkeypatch.setattr(calib, "xtx", xtx)
+    monkeypatch.setattr(stage_calibrate, "gradient_stats", grad)  # (qrecover.compress is also the API function)
+    return calls
+
+
+def _cfg(model_dir, **kw):
+    return CompressConfig(**{"model": str(model_dir), "calib_samples": 2, "seq_len": 32, **kw})
+
+
+def test_needs_nothing_computes_nothing(tiny_model_dir, counted):
+    """A uniform model whose quantizer needs no statistics: no Hessian, no backward pass."""
+    p = prepare(_cfg(tiny_model_dir, bpw=None, encodings="t_identity:8"), show_progress=False)
+    assert counted == {"xtx": 0, "gradients": 0}
+    assert p.calibration["computed"] == {"layer_stats": [], "gradients": False, "damage": False}
+    assert p.calibration["loss"] is None
+    m = compress(_cfg(tiny_model_dir, bpw=None, encodings="t_identity:8", finalize=False), prepared=p,
+                 show_progress=False, out=None)
+    assert m["sensitivity"]["predicted_loss_increase"] is None
+    lin = [v for v in m["layers"].values() if v["kind"] == "linear"]
+    assert lin and all(v["label"] == "t_identity:8" and v["damage"] is None for v in lin)
+
+
+def test_hessian_once_per_distinct_input(tiny_model_dir, counted):
+    """palettize needs the Hessian: computed once per window for q/k/v, o, gate/up and down (4), not per linear (7)."""
+    prepare(_cfg(tiny_model_dir, bpw=None, encodings="palettize:4"), show_progress=False)
+    n_layers, windows = 2, 2
+    assert counted["xtx"] == n_layers * 4 * windows
+    assert counted["gradients"] == 0  # uniform: nothing to allocate, palettize needs no gradients
+
+
+def test_shared_hessian_is_one_tensor(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    windows = torch.randint(0, 1000, (2, 16))
+    got = {}
+    layer_pass(model, windows, frozenset({"hessian", "input_sq"}), lambda i, _l, st: got.update(st), "cpu", False)
+    for i in range(2):
+        q, k, v = (got[f"model.layers.{i}.self_attn.{n}_proj"]["hessian"] for n in "qkv")
+        assert q is k is v
+        assert got[f"model.layers.{i}.mlp.gate_proj"]["hessian"] is got[f"model.layers.{i}.mlp.up_proj"]["hessian"]
+        assert got[f"model.layers.{i}.mlp.down_proj"]["hessian"] is not q
+        torch.testing.assert_close(got[f"model.layers.{i}.self_attn.o_proj"]["input_sq"],
+                                   got[f"model.layers.{i}.self_attn.o_proj"]["hessian"].diagonal())
+
+
+# --- finalize ------------------------------------------------------------------------------------------------------
+
+
+def _model_and_windows(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    return model, torch.randint(0, 2000, (2, 24))
+
+
+def test_finalize_identity(tiny_model_dir):
+    """Nothing quantized (an exact quantizer): the finalized weights are the original weights, the model is
+    unchanged, and each layer sees exactly the unquantized model's inputs."""
+    model, windows = _model_and_windows(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = [f"model.layers.{i}.{n}" for i, l in enumerate(decoder_layers(model)) for n in linear_layers(l)]
+    ident = parse_encoding("t_identity:8")
+    out, info = finalize(model, windows, {n: ident for n in names}, {}, None, "cpu", False)
+    assert set(out) == set(names)
+    for n in names:
+        assert torch.equal(out[n].dequantize(), before[f"{n}.weight"]), n
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert info["damage"] == {}
+
+
+def test_finalize_sees_quantized_inputs(tiny_model_dir):
+    """Layer 1's statistics in finalize are those of inputs produced by the quantized embedding and the
+    quantized layer 0 (recomputed here by hand), not the unquantized model's; within a layer, o_proj sees
+    q/k/v already quantized."""
+    model, windows = _model_and_windows(tiny_model_dir)
+    names = [f"model.layers.{i}.{n}" for i, l in enumerate(decoder_layers(model)) for n in linear_layers(l)]
+    spy = parse_encoding("t_spy:4/step=0.02")
+    emb_q = get_quantizer("blockwise", block_size=32, symmetric=False).quantize(model.model.embed_tokens.weight, 3, {})
+    SEEN.clear()
+    out, _ = finalize(model, windows, {n: spy for n in names}, {"model.embed_tokens": emb_q}, None, "cpu", False)
+    calls = dict(zip(names, SEEN["calls"]))  # quantized in call order: q, k, v, o, gate, up, down per layer
+
+    ref = _model_and_windows(tiny_model_dir)[0]
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.copy_(emb_q.dequantize())
+        for n in names:
+            if n.startswith("model.layers.0.") or n.endswith(("q_proj", "k_proj", "v_proj")):
+                ref.get_submodule(n).weight.copy_(out[n].dequantize())
+    def input_hessian(name):
+        xs = []
+        h = ref.get_submodule(name).register_forward_hook(lambda _m, i, _o: xs.append(i[0].reshape(-1, i[0].shape[-1])))
+        with torch.no_grad():
+            for w in windows:
+                ref(input_ids=w[None])
+        h.remove()
+        x = torch.cat(xs).double()
+        return (x.T @ x / x.shape[0]).float()
+    for n in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"):
+        torch.testing.assert_close(calls[n]["hessian"], input_hessian(n), rtol=1e-4, atol=1e-6)
+    # and it differs from the unquantized model's (the test can tell the two apart)
+    plain = _model_and_windows(tiny_model_dir)[0]
+    xs = []
+    h = plain.model.layers[1].self_attn.q_proj.register_forward_hook(lambda _m, i, _o: xs.append(i[0][0]))
+    with torch.no_grad():
+        for w in windows:
+            plain(input_ids=w[None])
+    h.remove()
+    x = torch.cat(xs).double()
+    assert not torch.allclose(calls["model.layers.1.self_attn.q_proj"]["hessian"], (x.T @ x / x.shape[0]).float(), rtol=1e-3)
+
+
+# --- the pipeline on the tiny model ----------------------------------------------------------------------------
+
+#: choices of the code before the redesign (commit edf19ed, `api.compress` with tiny_prepared's settings)
+OLD_CHOICES_4_6 = {
+    **{f"model.layers.{i}.{n}": lab for i in range(2) for n, lab in {
+        "self_attn.q_proj": "palettize:2", "self_attn.k_proj": "palettize:2", "self_attn.v_proj": "palettize:4",
+        "self_attn.o_proj": "palettize:4", "mlp.down_proj": "palettize:4"}.items()},
+    "model.layers.0.mlp.gate_proj": "palettize:4", "model.layers.0.mlp.up_proj": "palettize:3",
+    "model.layers.1.mlp.gate_proj": "palettize:3", "model.layers.1.mlp.up_proj": "palettize:3",
+    "model.embed_tokens": "blockwise:4/b32",
+}
+OLD_DAMAGE_4_6 = 0.00020060519669903653
+
+
+def test_old_default_path_same_choices(tiny_model_dir, tiny_prepared):
+    m = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, embedding_bits="legacy",
+                                finalize=False), prepared=tiny_prepared, show_progress=False, out=None)
+    assert {n: v["label"] for n, v in m["layers"].items()} == OLD_CHOICES_4_6
+    assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(OLD_DAMAGE_4_6, rel=1e-6)
+    assert m["finalize"] == {"enabled": False}
+
+
+def test_finalize_keeps_choices_and_bytes(tiny_model_dir, tiny_prepared, tmp_path):
+    a = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False),
+                 prepared=tiny_prepared, show_progress=False, out=tmp_path / "a")
+    b = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64),
+                 prepared=tiny_prepared, show_progress=False, out=tmp_path / "b")
+    assert b["finalize"]["enabled"] and set(b["finalize"]["damage"]) == {n for n, v in b["layers"].items() if v["kind"] == "linear"}
+    assert {n: v["label"] for n, v in a["layers"].items()} == {n: v["label"] for n, v in b["layers"].items()}
+    assert a["bytes"]["total"] == b["bytes"]["total"]
+    lin = [n for n, v in a["layers"].items() if v["kind"] == "linear"]
+    ma, mb = qrecover.load(tmp_path / "a"), qrecover.load(tmp_path / "b")
+    assert any(not torch.equal(ma.get_submodule(n).dequantize(), mb.get_submodule(n).dequantize()) for n in lin)
+    # the prepared model was restored: a second no-finalize run gives the same bytes
+    c = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False),
+                 prepared=tiny_prepared, show_progress=False, out=tmp_path / "c")
+    assert c["weights_file"]["sha256"] == a["weights_file"]["sha256"]
+
+
+@pytest.fixture(scope="module")
+def mixed_prepared(tiny_model_dir):
+    return prepare(_cfg(tiny_model_dir, bpw=5.0, encodings="palettize:2,palettize:4,blockwise:3/b32/asym,blockwise:8/pc",
+                        embedding_encodings="blockwise:4/b32/asym,blockwise:8/pc"), show_progress=False)
+
+
+def test_mixed_knapsack_follows_damage_table(tiny_model_dir, mixed_prepared, tmp_path):
+    """Layer 0 says blockwise is harmless and palettize harmful, layer 1 the reverse: the knapsack follows."""
+    p = dataclasses.replace(mixed_prepared, units={n: dict(u) for n, u in mixed_prepared.units.items()})
+    for n, u in p.units.items():
+        if u["kind"] == "linear":
+            layer0 = ".layers.0." in n
+            u["results"] = [(qw, (0.0 if (c.scheme == "blockwise") == layer0 else 1.0) + 0.01 * (8 - c.bits))
+                            for c, (qw, _) in zip(u["cands"], u["results"])]
+    m = compress(_cfg(tiny_model_dir, bpw=6.0, encodings="palettize:2,palettize:4,blockwise:3/b32/asym,blockwise:8/pc",
+                      embedding_encodings="blockwise:4/b32/asym,blockwise:8/pc", finalize=False),
+                 prepared=p, show_progress=False, out=tmp_path / "mixed")
+    for n, v in m["layers"].items():
+        if v["kind"] == "linear":
+            assert v["scheme"] == ("blockwise" if ".layers.0." in n else "palettize"), (n, v["label"])
+    model = qrecover.load(tmp_path / "mixed")  # a checkpoint of mixed schemes loads
+    assert {model.get_submodule(n).scheme for n, v in m["layers"].items() if v["kind"] == "linear"} == {"blockwise", "palettize"}
+
+
+def test_mixed_encodings_real_budget(tiny_model_dir, mixed_prepared, tmp_path):
+    m = compress(_cfg(tiny_model_dir, bpw=4.6, encodings="palettize:2,palettize:4,blockwise:3/b32/asym,blockwise:8/pc",
+                      embedding_encodings="blockwise:4/b32/asym,blockwise:8/pc"),
+                 prepared=mixed_prepared, show_progress=False, out=tmp_path / "real")
+    assert m["measured_bpw"]["model"] <= 4.6
+    assert m["budget"]["encodings"] == ["palettize:2", "palettize:4", "blockwise:3/b32/asym", "blockwise:8/pc"]
+    table = m["sensitivity"]["table"]["model.layers.0.mlp.down_proj"]
+    assert set(table) == set(m["budget"]["encodings"])
+    # a subset of the prepared encodings reuses the calibration; one outside it is refused
+    sub = compress(_cfg(tiny_model_dir, bpw=4.7, encodings="blockwise:3/b32/asym,blockwise:8/pc",
+                        embedding_encodings="blockwise:4/b32/asym", finalize=False),
+                   prepared=mixed_prepared, show_progress=False, out=None)
+    assert {v["scheme"] for v in sub["layers"].values()} == {"blockwise"}
+    with pytest.raises(QRecoverError, match="prepared candidates"):
+        compress(_cfg(tiny_model_dir, bpw=4.6, encodings="blockwise:4/b32/asym"), prepared=mixed_prepared,
+                 show_progress=False, out=None)
+
+
+def test_bad_specs_fail_before_work(tiny_model_dir, counted, tmp_path):
+    with pytest.raises(QRecoverError, match=r"encoding 'blockwise:4/b48' cannot store .*block_size=48"):
+        compress(_cfg(tiny_model_dir, bpw=5.0, encodings="blockwise:4/b48"), out=tmp_path / "x", show_progress=False)
+    with pytest.raises(QRecoverError, match="unknown scheme"):
+        compress(_cfg(tiny_model_dir, bpw=5.0, encodings="gpqt:4"), out=tmp_path / "x", show_progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(QRecoverError, match="CUDA is not available here; use --device cpu or auto"):
+            compress(_cfg(tiny_model_dir, bpw=5.0, device="cuda"), out=tmp_path / "x", show_progress=False)
+    assert counted == {"xtx": 0, "gradients": 0} and not (tmp_path / "x").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu(tiny_model_dir):
+    a = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cpu"), show_progress=False)
+    b = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cuda"), show_progress=False)
+    for n in a.units:
+        wa, wb = a.units[n]["results"][0][0].dequantize(), b.units[n]["results"][0][0].dequantize()
+        assert wb.device.type == "cpu"
+        torch.testing.assert_close(wa, wb, atol=1e-3, rtol=0)
+
+
+def test_layerwise_gradients_match_whole_model(tiny_model_dir):
+    """The one-layer-at-a-time backward pass (the CUDA default) gives the whole-model pass's statistics."""
+    model, windows = _model_and_windows(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    a = calib.gradient_stats(model, windows, False, "cpu", layerwise=False)
+    b = calib.gradient_stats(model, windows, False, "cpu", layerwise=True)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tokens"] == b["tokens"]
+    assert set(a["out_grad_sq"]) == set(b["out_grad_sq"]) and len(a["out_grad_sq"]) == 14
+    for k in a["out_grad_sq"]:
+        torch.testing.assert_close(b["out_grad_sq"][k], a["out_grad_sq"][k], rtol=1e-4, atol=0)
+    for k in ("out_grad_sq", "hessian"):
+        torch.testing.assert_close(b["head"][k], a["head"][k], rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(b["emb_fisher"], a["emb_fisher"], rtol=1e-4, atol=1e-14)
+    assert float(a["emb_fisher"].sum()) > 0 and float(a["out_grad_sq"]["model.layers.0.mlp.down_proj"].sum()) > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and v.device.type == "cpu", k
+    assert all(not p.requires_grad or p.grad is None for p in model.parameters())
