@@ -17,13 +17,13 @@ from safetensors import safe_open
 from . import __version__
 from .allocate import Choice
 from .calibrate import progress
-from .compress.allocation import Budget, Infeasible, choose
-from .compress.calibrate import gradients, layer_pass, plan_stats
-from .compress.candidates import quantize_unit
-from .compress.finalize import finalize
-from .compress.specs import Encoding, embedding_encodings, linear_encodings
-from .compress.transform import apply_transforms, transforms_of
-from .compress.write import MANIFEST, WEIGHTS, bpw as _bpw, measure_bpw, write_checkpoint
+from .stages.allocation import Budget, Infeasible, choose
+from .stages.calibrate import gradients, layer_pass, plan_stats
+from .stages.candidates import quantize_unit
+from .stages.finalize import finalize
+from .stages.specs import Encoding, embedding_encodings, linear_encodings
+from .stages.transform import apply_transforms, transforms_of
+from .stages.write import MANIFEST, WEIGHTS, bpw as _bpw, measure_bpw, write_checkpoint
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
@@ -106,7 +106,7 @@ class Prepared:
 
 
 def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
-    """Stages ``transform`` -> ``calibrate`` -> ``candidates`` (see :mod:`qrecover.compress`): load, transform,
+    """Stages ``transform`` -> ``calibrate`` -> ``candidates`` (see :mod:`qrecover.stages`): load, transform,
     calibrate what the candidates need, and quantize every unit at every candidate encoding."""
     t0 = time.time()
     lin_encs, emb_all = _encodings(cfg)

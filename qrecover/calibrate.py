@@ -6,7 +6,7 @@ Two passes over the calibration windows:
    accumulating small per-layer vectors only: output-gradient second moments of every linear layer,
    the logit-gradient moments and final-hidden-state second moments of the output matrix, and the
    embedding's per-(token, dim) Fisher. Memory: the model, its gradients' activations for one window.
-2. :func:`layer_stats`, called layer by layer by the compress stages (:mod:`qrecover.compress`): the
+2. :func:`layer_stats`, called layer by layer by the compress stages (:mod:`qrecover.stages`): the
    decoder layer's inputs (:func:`capture_inputs`) are replayed through it with hooks that accumulate
    the statistics the quantizers ask for (``E[x x^T]`` once per distinct input, ``E[x**2]``); the
    layer's outputs become the next layer's inputs. Only one decoder layer's statistics exist at a time.

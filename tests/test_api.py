@@ -36,8 +36,8 @@ from safetensors import safe_open
 import qrecover
 import qrecover.api as api
 from qrecover.api import FORMAT_VERSION, compress, read_manifest
-from qrecover.compress import write as stage_write
-from qrecover.compress.specs import LEGACY_EMBEDDING, embedding_encodings
+from qrecover.stages import write as stage_write
+from qrecover.stages.specs import LEGACY_EMBEDDING, embedding_encodings
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
 from qrecover.io_utils import sha256_file, sha256_files

@@ -1,4 +1,4 @@
-"""Tests for the compress stages (:mod:`qrecover.compress`) on pure inputs and on the tiny Llama (conftest).
+"""Tests for the compress stages (:mod:`qrecover.stages`) on pure inputs and on the tiny Llama (conftest).
 
 Checks: encoding specs parse to the scheme parameters they name, round-trip through their canonical text,
 and every bad spec is a one-line QRecoverError naming the spec and the fix; calibration computes only what
@@ -22,11 +22,11 @@ import qrecover
 import qrecover.calibrate as calib
 from qrecover.allocate import Choice
 from qrecover.api import compress, prepare
-from qrecover.compress import calibrate as stage_calibrate
-from qrecover.compress.allocation import Budget, Infeasible, choose
-from qrecover.compress.calibrate import layer_pass, plan_stats
-from qrecover.compress.finalize import finalize
-from qrecover.compress.specs import (LEGACY_EMBEDDING, embedding_encodings, format_encoding, linear_encodings,
+from qrecover.stages import calibrate as stage_calibrate
+from qrecover.stages.allocation import Budget, Infeasible, choose
+from qrecover.stages.calibrate import layer_pass, plan_stats
+from qrecover.stages.finalize import finalize
+from qrecover.stages.specs import (LEGACY_EMBEDDING, embedding_encodings, format_encoding, linear_encodings,
                                      make_encoding, parse_encoding, parse_encodings, parse_params)
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
@@ -207,7 +207,7 @@ def counted(monkeypatch):
         return real_grad(*a, **k)
 
     monkeypatch.setattr(calib, "xtx", xtx)
-    monkeypatch.setattr(stage_calibrate, "gradient_stats", grad)  # (qrecover.compress is also the API function)
+    monkeypatch.setattr(stage_calibrate, "gradient_stats", grad)
     return calls
 
 

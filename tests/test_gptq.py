@@ -234,3 +234,23 @@ def test_cuda_equals_cpu():
     assert qw.tensors["qdata"].device.type == "cuda"
     cpu = get_quantizer("gptq", group_size=16).quantize(w, 4, {"hessian": H})
     assert float((qw.dequantize().cpu() == cpu.dequantize()).float().mean()) > 0.98
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_pipeline_shared_factor_equals_own_factor(act_order):
+    """The compress stage computes GPTQ's inverse-Hessian factor once per shared input (q/k/v) and passes it in
+    ``hessian_inv_chol``: the result must be exactly what the quantizer computes on its own, act order included
+    (a factor for the unpermuted columns would silently mis-quantize under act order)."""
+    from qrecover.stages.candidates import stats_for
+    from qrecover.stages.specs import parse_encoding
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 64, generator=g) @ torch.randn(64, 64, generator=g)
+    h = x.T @ x / x.shape[0]
+    w = torch.randn(24, 64, generator=g)
+    enc = parse_encoding(f"gptq:3/g32/act_order={str(act_order).lower()}")
+    shared = stats_for(enc, {"hessian": h}, {})
+    assert "hessian_inv_chol" in shared
+    a = enc.quantizer.quantize(w, 3, shared)
+    b = enc.quantizer.quantize(w, 3, {"hessian": h})
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)

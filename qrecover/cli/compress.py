@@ -69,7 +69,7 @@ def compress(
         params["group_size"] = group_size
     if block_size is not None:
         params["block_size"] = block_size
-    from ..compress.specs import parse_params
+    from ..stages.specs import parse_params
 
     params.update(parse_params(scheme_param or []))
     widths = parse_ints(bits, "--bits")

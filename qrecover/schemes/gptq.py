@@ -165,6 +165,11 @@ class GPTQ(Blockwise):
     def _block(self, shape: tuple[int, int]) -> int:
         return _check_group(tuple(shape), self.config.group_size)
 
+    def shared_factor(self, hessian: torch.Tensor) -> torch.Tensor:
+        """The ``hessian_inv_chol`` statistic for this config (``damp``, ``act_order``): layers that read the
+        same inputs (q/k/v, gate/up) compute it once and share it."""
+        return hessian_factor(hessian, self.config.damp, self.config.act_order)
+
     def quantize(self, weight: torch.Tensor, bits: int, stats: dict[str, torch.Tensor]) -> QuantizedWeight:
         return self.quantize_many(weight, [bits], stats)[0]
 

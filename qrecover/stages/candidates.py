@@ -4,12 +4,12 @@ allowed encoding, with each result's estimated damage (:mod:`qrecover.sensitivit
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..schemes import QuantizedWeight
-from ..schemes.feedback import inverse_hessian_factor
 from .specs import Encoding
 
 DamageFn = Callable[[torch.Tensor], float]
@@ -20,14 +20,15 @@ def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def stats_for(enc: Encoding, stats: dict[str, torch.Tensor], cache: dict) -> dict[str, torch.Tensor]:
-    """``stats`` plus, for a quantizer with a ``damp`` parameter that needs the Hessian (GPTQ), the inverse
-    Hessian's Cholesky factor as ``hessian_inv_chol``, computed once per (Hessian, damp): q/k/v share it."""
-    damp = enc.params.get("damp")
-    if damp is None or "hessian" not in stats or "hessian" not in enc.quantizer.needs:
+    """``stats`` plus, for a quantizer that shares work across layers with the same inputs (GPTQ's
+    ``shared_factor``: the inverse Hessian's Cholesky factor for its damp and column order), that work as
+    ``hessian_inv_chol``, computed once per (Hessian, quantizer parameters): q/k/v and gate/up share it."""
+    q = enc.quantizer
+    if not hasattr(q, "shared_factor") or "hessian" not in stats or "hessian" not in q.needs:
         return stats
-    key = (id(stats["hessian"]), float(damp))
+    key = (id(stats["hessian"]), json.dumps(enc.params, sort_keys=True, default=str))
     if key not in cache:
-        cache[key] = (stats["hessian"], inverse_hessian_factor(stats["hessian"], float(damp)).to(stats["hessian"].device))
+        cache[key] = (stats["hessian"], q.shared_factor(stats["hessian"]).to(stats["hessian"].device))  # keeps H alive: ids stay unique
     return {**stats, "hessian_inv_chol": cache[key][1]}
 
 

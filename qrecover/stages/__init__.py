@@ -6,5 +6,5 @@ estimated damage) -> ``allocate`` (the knapsack of :mod:`qrecover.allocate`) -> 
 each layer with its chosen encoding on the outputs of the already quantized layers before it) -> ``write``.
 
 :func:`qrecover.api.prepare` runs the stages up to ``candidates``; :func:`qrecover.api.compress` the rest.
-Encodings are written as specs, parsed in :mod:`qrecover.compress.specs`.
+Encodings are written as specs, parsed in :mod:`qrecover.stages.specs`.
 """
