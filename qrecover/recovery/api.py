@@ -31,6 +31,7 @@ from ..io_utils import sha256_file
 from ..models import load_model, resolve
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, init_error_svd, load_adapter, save_adapter
+from .lora import check_base
 from .train import CHECKPOINTS, latest_checkpoint, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation
@@ -200,6 +201,7 @@ def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_f
     from ..api import load
 
     checkpoint = _require_checkpoint(checkpoint)
+    check_base(init_adapter, checkpoint, allow_foreign_adapter)  # unreadable or foreign: refused before the load
     model = load(checkpoint, cache=cache)
     manifest = model.qrecover_manifest
     peft_model = load_adapter(model, init_adapter, checkpoint, allow_foreign_adapter, trainable=True)

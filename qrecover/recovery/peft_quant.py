@@ -1,0 +1,148 @@
+"""PEFT's LoRA layer for :class:`~qrecover.qlinear.QuantLinear`, with a merge that re-quantizes.
+
+PEFT's own ``lora.Linear`` merges by adding the delta to ``base_layer.weight`` in place. A ``QuantLinear``'s
+``weight`` is a dequantized copy of its packed buffers, so that merge is silently lost (or lands only in the
+dense cache): ``merge_and_unload()`` returned the base model. :class:`QuantLoraLinear` is the LoRA layer PEFT
+builds for a ``QuantLinear`` instead, registered through PEFT's custom-module extension point
+(``LoraConfig._register_custom_module``, the same dispatch mechanism as its HQQ/torchao backends):
+:func:`register_quant_lora` on a config makes ``get_peft_model`` and ``PeftModel.from_pretrained(...,
+config=...)`` use it. :func:`~qrecover.recovery.lora.attach_lora`, :func:`~qrecover.recovery.lora.load_adapter`
+and ``qrecover.load(..., adapter=...)`` do this for you; a config of your own needs the call.
+
+Training and the unmerged forward are PEFT's ``lora.Linear`` unchanged: ``base(x) + scaling * B(A(x))``,
+the base frozen.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from peft.tuners.lora import LoraConfig
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import check_adapters_to_merge
+
+from ..errors import QRecoverError
+from ..qlinear import QuantLinear
+from ..schemes import QuantizedWeight, get_quantizer
+
+logger = logging.getLogger(__name__)
+
+#: the warning ``merge`` gives (once per process: the text does not vary)
+MERGE_WARNING = (
+    "merging a LoRA adapter into qrecover's packed weights re-quantizes each layer without calibration "
+    "statistics: the merged model differs from the unmerged adapter by that re-quantization error, which is of the "
+    "size of the quantization error the adapter corrects (see qrecover.recovery.peft_quant.QuantLoraLinear). Keep "
+    "the adapter unmerged for exact outputs; per-layer errors are logged at INFO by qrecover.recovery.peft_quant"
+)
+
+
+def requantize(qw: QuantizedWeight, weight: torch.Tensor, stats: dict[str, torch.Tensor] | None = None) -> QuantizedWeight:
+    """``weight (out, in)`` quantized with ``qw``'s own encoding: the same scheme, parameters and bit width.
+
+    ``stats``: calibration statistics for the scheme (names from ``qrecover.schemes.base.STAT_NAMES``); none
+    (the default) means uniform importance, and for palettize no GPTQ error feedback. Computed on the CPU in
+    float32. Raises :class:`QRecoverError` when the scheme cannot quantize without statistics it was not given.
+    """
+    if tuple(weight.shape) != tuple(qw.shape):
+        raise QRecoverError(f"cannot re-quantize a weight of shape {tuple(weight.shape)} into a layer of shape {tuple(qw.shape)}")
+    quantizer = get_quantizer(qw.scheme, **qw.params)
+    stats = {k: v.detach().float().cpu() for k, v in (stats or {}).items()}
+    try:
+        return quantizer.quantize(weight.detach().float().cpu(), qw.bits, stats)
+    except KeyError as e:  # a scheme that reads a statistic unconditionally
+        raise QRecoverError(
+            f"scheme {qw.scheme!r} cannot re-quantize a merged weight without the calibration statistic {e}; keep the "
+            "adapter unmerged (the PeftModel computes base + adapter exactly), or set the layer's merge_stats") from None
+
+
+class QuantLoraLinear(LoraLinear):
+    """PEFT LoRA on a :class:`~qrecover.qlinear.QuantLinear` whose ``merge`` changes the packed weights.
+
+    Forward and training are PEFT's ``lora.Linear``: ``QuantLinear(x) + scaling * B(A(x))``; only A and B train.
+
+    ``merge`` dequantizes the packed weight ``W (out, in)``, adds the adapters' deltas (``scaling * B @ A``, or a
+    PEFT variant's own merge, e.g. DoRA) and re-quantizes ``W + delta`` with the layer's own scheme, parameters
+    and bit width (:func:`requantize`), then swaps the packed buffers (``QuantLinear.set_packed``): the model keeps
+    its size and format. There are no calibration statistics at merge time, so the re-quantization weights every
+    element equally (palettize: unweighted k-means, no GPTQ error feedback) unless ``merge_stats`` is set to the
+    layer's statistics (``{"input_sq": (in,), "hessian": (in, in)}``).
+
+    Cost: re-quantization makes a fresh error of the size of the original quantization error, so the merged model
+    is NOT the unmerged adapter. Measured: see ``tests/test_merge.py`` and the coordinator's report (the tiny
+    test checkpoint and SmolLM2-135M at 3.7 bpw); each merge logs the per-layer relative errors at INFO and warns
+    once (:data:`MERGE_WARNING`); ``merge_error`` holds the last merge's numbers: ``requant_rel``
+    = ``||Q(W+d) - (W+d)||_F / ||W+d||_F`` and ``requant_vs_delta`` = ``||Q(W+d) - (W+d)||_F / ||d||_F`` (>= 1:
+    the re-quantization moved the weight at least as far as the adapter did).
+
+    ``unmerge`` restores the packed weight from before the first merge bit-exactly (it is kept while merged).
+    """
+
+    def __init__(self, base_layer: QuantLinear, adapter_name: str, config: LoraConfig, **kwargs: Any) -> None:
+        if config.lora_bias:
+            raise QRecoverError("lora_bias=True is not supported on qrecover's quantized layers; use lora_bias=False")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.merge_stats: dict[str, torch.Tensor] | None = None
+        self.merge_error: dict[str, float] | None = None
+        self._unmerged_packed: QuantizedWeight | None = None
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Add the active (or the named) adapters into the packed weight, re-quantizing once for all of them."""
+        adapter_names = [a for a in (check_adapters_to_merge(self, adapter_names) or []) if a in self.lora_A]
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        before = base.packed
+        weight = base._quantizer.dequantize(before, torch.float32)  # from the packed buffers, never the cache
+        merged = weight
+        for name in adapter_names:
+            if name in self.lora_variant:
+                merged = self.lora_variant[name].merge_safe(self, name, merged)
+            else:
+                merged = merged + self.get_delta_weight(name).to(merged)
+        if not torch.isfinite(merged).all():
+            raise QRecoverError(f"merging adapter(s) {adapter_names} gives non-finite weights: the adapter is broken; "
+                                "do not merge it")
+        qw = requantize(before, merged, self.merge_stats)
+        with torch.no_grad():
+            target = merged.cpu()
+            err = (get_quantizer(qw.scheme, **qw.params).dequantize(qw, torch.float32) - target).norm()
+            delta = (target - weight.cpu()).norm()
+            self.merge_error = {"requant_rel": float(err / target.norm().clamp_min(1e-30)),
+                                "requant_vs_delta": float(err / delta) if delta > 0 else float("inf")}
+        warnings.warn(MERGE_WARNING, stacklevel=2)
+        logger.info("merged %s into %s (%s %d bits): re-quantization error %.4g of the weight, %.3g x the adapter's delta",
+                    adapter_names, tuple(before.shape), before.scheme, before.bits, self.merge_error["requant_rel"],
+                    self.merge_error["requant_vs_delta"])
+        if self._unmerged_packed is None:
+            self._unmerged_packed = QuantizedWeight(before.scheme, before.bits, before.shape, before.params,
+                                                    {k: v.clone() for k, v in before.tensors.items()})
+        base.set_packed(qw)
+        self.merged_adapters.extend(adapter_names)
+
+    def unmerge(self) -> None:
+        """Restore the packed weight from before the first merge, bit-exactly."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        self.get_base_layer().set_packed(self._unmerged_packed)
+        self._unmerged_packed = None
+        self.merged_adapters.clear()
+
+    def __repr__(self) -> str:
+        return "lora.QuantLoraLinear" + super().__repr__().removeprefix("lora.Linear")
+
+
+def register_quant_lora(config: LoraConfig) -> LoraConfig:
+    """Make PEFT build :class:`QuantLoraLinear` for every targeted ``QuantLinear`` under ``config`` (in place;
+    returns it). Call it on a ``LoraConfig`` before ``get_peft_model``, or on
+    ``LoraConfig.from_pretrained(DIR)`` passed as ``config=`` to ``PeftModel.from_pretrained``."""
+    if not isinstance(config, LoraConfig):
+        raise QRecoverError(f"{type(config).__name__} is not a LoRA config: qrecover's quantized layers take LoRA adapters")
+    config._register_custom_module({QuantLinear: QuantLoraLinear})
+    return config
+
+
+__all__ = ["QuantLoraLinear", "register_quant_lora", "requantize", "MERGE_WARNING"]
