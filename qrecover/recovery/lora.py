@@ -223,8 +223,9 @@ def check_adapter_files(adapter: str | Path) -> None:
         raise QRecoverError(f"{str(adapter)!r} is not a PEFT adapter directory (no adapter_config.json); "
                             "pass the --out directory of `qrecover recover`")
     config = read_json(adapter / "adapter_config.json", "adapter config", "")
-    if not isinstance(config, dict):
-        raise QRecoverError(f"adapter config {str(adapter / 'adapter_config.json')!r} is not a JSON object; {fix}")
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise QRecoverError(f"adapter config {str(adapter / 'adapter_config.json')!r} is not a PEFT adapter config (a "
+                            f"JSON object with a peft_type); {fix}")
     weights = adapter / "adapter_model.safetensors"
     if not weights.is_file():
         if (adapter / "adapter_model.bin").is_file():  # a foreign PEFT adapter in the old format: PEFT reads it

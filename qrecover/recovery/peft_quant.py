@@ -131,9 +131,6 @@ class QuantLoraLinear(LoraLinear):
         self._unmerged_packed = None
         self.merged_adapters.clear()
 
-    def __repr__(self) -> str:
-        return "lora.QuantLoraLinear" + super().__repr__().removeprefix("lora.Linear")
-
 
 def register_quant_lora(config: LoraConfig) -> LoraConfig:
     """Make PEFT build :class:`QuantLoraLinear` for every targeted ``QuantLinear`` under ``config`` (in place;
