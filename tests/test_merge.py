@@ -6,8 +6,8 @@ base model unchanged. Checks that every PEFT path (``attach_lora``, ``get_peft_m
 :class:`QuantLoraLinear`; that merging re-quantizes with the layer's own encoding, so the merged model follows
 the adapter up to the re-quantization error (bounded per layer by 1.5x the checkpoint's own quantization error
 of that layer, and exactly for blockwise int8 by half a quantization step); that unmerging restores the packed
-tensors bit-exactly; that the merged model's state reloads; and that a scheme which cannot re-quantize without
-calibration statistics raises a QRecoverError.
+tensors bit-exactly; that the merged model's state reloads; and that a scheme which needs calibration statistics
+(palettize) refuses a bare merge with a QRecoverError, merging once :func:`collect_merge_stats` gave them.
 """
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ from qrecover.errors import QRecoverError
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.lora import (attach_lora, base_identity, load_adapter, lora_modules, quantized_targets,
                                     save_adapter)
-from qrecover.recovery.peft_quant import MERGE_WARNING, QuantLoraLinear, register_quant_lora, requantize
+from qrecover.recovery.peft_quant import (MERGE_WARNING, QuantLoraLinear, collect_merge_stats, merge_and_unload,
+                                          register_quant_lora, requantize)
 from qrecover.schemes import QuantizedWeight, get_quantizer, register_quantizer
 from qrecover.schemes.blockwise import Blockwise, BlockwiseConfig
 
 B_SCALE = 0.1  # init_lora_weights=False draws B like A; scaled by this, the delta is ~40% of the weight's norm
 
 
-def _ids(n: int = 2, t: int = 24) -> torch.Tensor:
-    return torch.randint(0, 49152, (n, t), generator=torch.Generator().manual_seed(1))
+def _ids(n: int = 2, t: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 49152, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+CALIB = _ids(4, 64, seed=7)  # the calibration windows the merge collects its statistics on
 
 
 def _packed(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -87,7 +91,7 @@ def test_merge_and_unload_puts_the_adapter_into_the_packed_weights(path, tiny_ck
         unmerged = peft_model(input_ids=ids).logits
         assert not torch.allclose(unmerged, base, atol=1e-3)  # the adapter does something
         with pytest.warns(UserWarning, match="re-quantizes"):
-            merged_model = peft_model.merge_and_unload()
+            merged_model = merge_and_unload(peft_model, CALIB)
         merged = merged_model(input_ids=ids).logits
     assert not any("lora_" in n for n, _ in merged_model.named_parameters())
     after = _packed(merged_model)
@@ -122,6 +126,11 @@ def test_unmerge_restores_the_packed_weights_bit_exactly(tiny_ckpt):
     before = _packed(peft_model)
     with torch.no_grad():
         unmerged = peft_model(input_ids=ids).logits
+        with pytest.raises(QRecoverError, match=r"'palettize' re-quantizes .*\['hessian', 'input_sq'\].*merge_and_unload"):
+            peft_model.merge_adapter()  # palettize without calibration statistics: refused, nothing changed
+        assert _packed(peft_model).keys() == before.keys() and all(
+            torch.equal(before[n][k], v) for n, t in _packed(peft_model).items() for k, v in t.items())
+        assert collect_merge_stats(peft_model, CALIB) == len(before)
         with pytest.warns(UserWarning):
             peft_model.merge_adapter()
         merged_packed = _packed(peft_model)
@@ -146,7 +155,7 @@ def test_unmerge_restores_the_packed_weights_bit_exactly(tiny_ckpt):
 def test_merged_model_state_reloads_into_a_fresh_checkpoint_model(tiny_ckpt):
     ids = _ids()
     with torch.no_grad(), pytest.warns(UserWarning):
-        merged_model = _random_lora(load(tiny_ckpt)).merge_and_unload()
+        merged_model = merge_and_unload(_random_lora(load(tiny_ckpt)), CALIB)
         merged = merged_model(input_ids=ids).logits
         fresh = load(tiny_ckpt)
         fresh.load_state_dict(merged_model.state_dict(), strict=True)
@@ -159,6 +168,7 @@ def test_merged_model_state_reloads_into_a_fresh_checkpoint_model(tiny_ckpt):
 
 def test_merge_logs_the_per_layer_cost(tiny_ckpt, caplog):
     peft_model = _random_lora(load(tiny_ckpt))
+    collect_merge_stats(peft_model, CALIB)
     with caplog.at_level(logging.INFO, logger="qrecover.recovery.peft_quant"), pytest.warns(UserWarning) as record:
         peft_model.merge_adapter()
     assert any(str(w.message) == MERGE_WARNING for w in record)
@@ -263,6 +273,39 @@ def test_scheme_that_cannot_requantize_without_statistics_raises_clearly():
     assert lora.merged
     with pytest.raises(QRecoverError, match="cannot re-quantize a weight of shape"):
         requantize(qw, torch.zeros(8, 6))
+
+
+def test_palettize_merges_only_with_its_statistics_and_then_like_compression():
+    w = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * torch.tensor([8.0] + [1.0] * 7)  # an outlier
+    stats = {"hessian": x.T @ x / 64, "input_sq": (x**2).mean(0)}
+    params = dict(group_size=2)
+    layer = QuantLinear(get_quantizer("palettize", **params).quantize(w, 2, stats), bias=torch.zeros(6))
+    model = get_peft_model(_One(layer), register_quant_lora(LoraConfig(r=2, init_lora_weights=False,
+                                                                        target_modules=["proj"])))
+    lora = model.base_model.model.proj
+    with pytest.raises(QRecoverError, match=r"\['hessian', 'input_sq'\]"):
+        lora.merge()
+    assert not lora.merged
+    exact = layer.dequantize() + lora.get_delta_weight("default")
+    collect_merge_stats(_Ids(model), x.unsqueeze(0))
+    torch.testing.assert_close(lora.merge_stats["hessian"], stats["hessian"], rtol=1e-5, atol=1e-5)
+    with pytest.warns(UserWarning):
+        lora.merge()
+    # the merged layer is exactly what compressing W + delta with the same statistics gives
+    again = get_quantizer("palettize", **params).quantize(exact, 2, lora.merge_stats)
+    assert all(torch.equal(again.tensors[k], v) for k, v in layer.packed.tensors.items())
+
+
+class _Ids(nn.Module):
+    """Feeds ``input_ids`` (here: float inputs) to the wrapped model, as a causal LM is called."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, use_cache=False):
+        return self.model(input_ids)
 
 
 def test_lora_bias_is_refused():
