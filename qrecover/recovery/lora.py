@@ -6,7 +6,8 @@ adapter is plain PEFT: ``adapter_config.json`` + ``adapter_model.safetensors``, 
 :class:`~qrecover.recovery.peft_quant.QuantLoraLinear` (whose merge re-quantizes the packed weights) when the
 config is registered: :func:`attach_lora`, :func:`load_adapter` and ``qrecover.load(CKPT, adapter=DIR)`` do it;
 with plain PEFT pass ``config=register_quant_lora(LoraConfig.from_pretrained(DIR))``, else ``merge_and_unload``
-cannot change the packed weights. Next to them qrecover writes
+cannot change the packed weights. Merge with ``peft_quant.merge_and_unload(peft_model, calibration_windows)``: the
+palettized layers re-quantize with calibration statistics (a bare ``merge_and_unload()`` refuses). Next to them qrecover writes
 ``qrecover_adapter.json``: which base it was trained on (the sha256 of the checkpoint's manifest and of its
 weights file), its rank and exact size, and how it was trained. :func:`load_adapter` refuses an adapter
 trained on another base unless told otherwise.

@@ -88,8 +88,10 @@ class QuantLoraLinear(LoraLinear):
     tiny test Llama at 5 bpw with an SVD-init rank-16 adapter, uncalibrated merge: 3.3e-4 / 2.0e-4 / 3.1e-4;
     SmolLM2-135M at 3.7 bpw: see :func:`merge_and_unload`. Each merge logs the per-layer relative errors at INFO
     and warns once (:data:`MERGE_WARNING`); ``merge_error`` holds the last merge's numbers: ``requant_rel``
-    = ``||Q(W+d) - (W+d)||_F / ||W+d||_F`` and ``requant_vs_delta`` = ``||Q(W+d) - (W+d)||_F / ||d||_F`` (>= 1:
-    the re-quantization moved the weight at least as far as the adapter did).
+    = ``||Q(W+d) - (W+d)||_F / ||W+d||_F`` and ``requant_vs_delta`` = ``||Q(W+d) - (W+d)||_F / ||d||_F``.
+    A layer whose re-quantization would be further from ``W + d`` than its current packed weight (output error
+    ``tr(E H E^T)`` on the calibration inputs, Frobenius without a Hessian) keeps its packed weight
+    (``merge_error["kept_original"]``): merging never makes a layer worse than not merging, by that measure.
 
     ``unmerge`` restores the packed weight from before the first merge bit-exactly (it is kept while merged).
     """
@@ -122,14 +124,23 @@ class QuantLoraLinear(LoraLinear):
         qw = requantize(before, merged, self.merge_stats)
         with torch.no_grad():
             target = merged.cpu()
-            err = (get_quantizer(qw.scheme, **qw.params).dequantize(qw, torch.float32) - target).norm()
-            delta = (target - weight.cpu()).norm()
-            self.merge_error = {"requant_rel": float(err / target.norm().clamp_min(1e-30)),
-                                "requant_vs_delta": float(err / delta) if delta > 0 else float("inf")}
+            new_err = get_quantizer(qw.scheme, **qw.params).dequantize(qw, torch.float32) - target
+            old_err = weight.cpu() - target
+            hessian = (self.merge_stats or {}).get("hessian")
+            # the output error on the calibration inputs, tr(E H E^T) (Frobenius without a Hessian)
+            cost = (lambda e: float(torch.einsum("oi,ij,oj->", e.double(), hessian.double(), e.double()))) \
+                if hessian is not None else (lambda e: float(e.double().square().sum()))
+            kept = cost(old_err) <= cost(new_err)  # re-quantizing would move the layer further from W + delta
+            if kept:
+                qw, new_err = before, old_err
+            self.merge_error = {"requant_rel": float(new_err.norm() / target.norm().clamp_min(1e-30)),
+                                "requant_vs_delta": float(new_err.norm() / old_err.norm()) if old_err.norm() > 0 else float("inf"),
+                                "kept_original": kept}
         warnings.warn(MERGE_WARNING, stacklevel=2)
-        logger.info("merged %s into %s (%s %d bits): re-quantization error %.4g of the weight, %.3g x the adapter's delta",
+        logger.info("merged %s into %s (%s %d bits): re-quantization error %.4g of the weight, %.3g x the adapter's delta%s",
                     adapter_names, tuple(before.shape), before.scheme, before.bits, self.merge_error["requant_rel"],
-                    self.merge_error["requant_vs_delta"])
+                    self.merge_error["requant_vs_delta"],
+                    "; kept the original packed weight (re-quantizing was further from W + delta)" if kept else "")
         if self._unmerged_packed is None:
             self._unmerged_packed = QuantizedWeight(before.scheme, before.bits, before.shape, before.params,
                                                     {k: v.clone() for k, v in before.tensors.items()})
