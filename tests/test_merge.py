@@ -322,3 +322,16 @@ def test_plain_peft_from_pretrained_with_a_registered_config(tiny_ckpt, random_a
     assert all(type(m) is QuantLoraLinear for m in lora_modules(model).values())
     with pytest.raises(QRecoverError, match="not a LoRA config"):
         register_quant_lora(object())
+
+
+def test_a_merge_that_cannot_help_keeps_the_packed_weights_and_says_so(tiny_ckpt):
+    peft_model = _random_lora(load(tiny_ckpt))
+    with torch.no_grad():
+        for mod in lora_modules(peft_model).values():
+            mod.lora_B["default"].weight.mul_(1e-4)  # a delta far below the quantization step
+    before = _packed(peft_model)
+    with pytest.warns(UserWarning, match=r"(\d+) of 14 layers kept their packed weights"):
+        merged_model = merge_and_unload(peft_model, CALIB)
+    after = _packed(merged_model)
+    kept = [n for n in before if all(torch.equal(before[n][k], after[n][k]) for k in before[n])]
+    assert len(kept) * 2 > len(before)
