@@ -446,9 +446,9 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     model.eval()
     model.qrecover_manifest = manifest
     if adapter is not None:
-        from peft import PeftModel
+        from .recovery.lora import peft_from_pretrained
 
-        model = PeftModel.from_pretrained(model, str(adapter))
+        model = peft_from_pretrained(model, adapter)  # qrecover's LoRA layer: merging re-quantizes
         model.eval()
         model.qrecover_manifest = manifest
     return model

@@ -101,6 +101,23 @@ class QuantLinear(_Packed, nn.Linear):
             return kernels.linear(self, x)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
+    def set_packed(self, qw: QuantizedWeight) -> None:
+        """Replace the packed weight by ``qw`` (same shape ``(out_features, in_features)``; scheme and bits may
+        differ): its tensors become the buffers, on this layer's device, and the dense cache is dropped.
+        Used by the PEFT merge (:mod:`qrecover.recovery.peft_quant`)."""
+        if tuple(qw.shape) != self.shape:
+            raise QRecoverError(f"packed weight of shape {tuple(qw.shape)} cannot replace this layer's {self.shape}; "
+                                "quantize a weight of the layer's own shape")
+        device = getattr(self, self._tensor_names[0]).device
+        for name in self._tensor_names:
+            delattr(self, name)
+        self.scheme, self.bits, self.params = qw.scheme, qw.bits, dict(qw.params)
+        self._quantizer = get_quantizer(qw.scheme, **qw.params)
+        for name, t in qw.tensors.items():
+            self.register_buffer(name, t.to(device))
+        self._tensor_names = tuple(qw.tensors)
+        self._dense = None
+
 
 class QuantEmbedding(_Packed):
     """An embedding table ``(num_embeddings, embedding_dim)`` stored packed.

@@ -474,3 +474,57 @@ def test_bad_finetune_input_is_refused_before_any_model_loads(adapter_dir, tiny_
     assert code == 2, err
     assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "f").exists()
+
+
+# --- an unreadable adapter directory is refused before any model loads (issue 10, item 8) ---------------------
+
+
+def _broken_adapter(adapter_dir: Path, tmp_path: Path, how: str) -> Path:
+    bad = tmp_path / f"adapter-{how}"
+    bad.mkdir()
+    for f in adapter_dir.iterdir():  # a flat directory of small files
+        (bad / f.name).write_bytes(f.read_bytes())
+    weights = bad / "adapter_model.safetensors"
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "garbage":
+        weights.write_bytes(b"\x00" * 100)
+    elif how == "missing":
+        weights.unlink()
+    elif how == "config":
+        (bad / "adapter_config.json").write_text('{"r": 4,')
+    elif how == "no-peft-type":
+        (bad / "adapter_config.json").write_text('{"r": 4}')
+    return bad
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if a model is built: the adapter check must come first."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the adapter files were checked")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_config", refuse)
+
+
+@pytest.mark.parametrize("how, message", [("truncated", "adapter_model.safetensors' are truncated or corrupt"),
+                                          ("garbage", "adapter_model.safetensors' are truncated or corrupt"),
+                                          ("missing", "has no adapter_model.safetensors"),
+                                          ("config", "adapter_config.json' is not valid JSON"),
+                                          ("no-peft-type", "adapter_config.json' is not a PEFT adapter config")])
+def test_unreadable_adapter_is_refused_before_the_load(adapter_dir, tiny_ckpt, tmp_path, capsys, no_model_load, how, message):
+    bad = _broken_adapter(adapter_dir, tmp_path, how)
+    for allow in (False, True):  # --allow-foreign-adapter does not let an unreadable file through
+        with pytest.raises(QRecoverError, match=message):
+            load(tiny_ckpt, adapter=bad, allow_foreign_adapter=allow)
+    code, _, err = cli(["ppl", tiny_ckpt, "--adapter", bad, "--windows", "1", "--seq-len", "16"], capsys)
+    flat = "".join(err.split())  # the console wraps long lines, even inside a path
+    assert code == 2 and "".join(message.split("'")[-1].split()) in flat and "Traceback" not in err
+    out = tmp_path / "feature"
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    code, _, err = cli(["finetune", tiny_ckpt, "--init-adapter", bad, "--data", data, "--out", out, "--tokens", "64"], capsys)
+    flat = "".join(err.split())
+    assert code == 2 and "Traceback" not in err and bad.name in flat and not out.exists()
+    if how != "config":
+        assert "re-exportorcopytheadapteragain" in flat

@@ -248,6 +248,7 @@ def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_f
     from ..api import load
 
     checkpoint = _require_checkpoint(checkpoint)
+    check_base(init_adapter, checkpoint, allow_foreign_adapter)  # unreadable or foreign: refused before the load
     model = load(checkpoint, cache=cache)
     manifest = model.qrecover_manifest
     peft_model = load_adapter(model, init_adapter, checkpoint, allow_foreign_adapter, trainable=True)

@@ -2,7 +2,12 @@
 
 A qrecover checkpoint's :class:`~qrecover.qlinear.QuantLinear` is an ``nn.Linear`` to PEFT, so the
 adapter is plain PEFT: ``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
-``PeftModel.from_pretrained(qrecover.load(CHECKPOINT), DIR)``. Next to them qrecover writes
+``PeftModel.from_pretrained(qrecover.load(CHECKPOINT), DIR)``. PEFT wraps each ``QuantLinear`` in qrecover's
+:class:`~qrecover.recovery.peft_quant.QuantLoraLinear` (whose merge re-quantizes the packed weights) when the
+config is registered: :func:`attach_lora`, :func:`load_adapter` and ``qrecover.load(CKPT, adapter=DIR)`` do it;
+with plain PEFT pass ``config=register_quant_lora(LoraConfig.from_pretrained(DIR))``, else ``merge_and_unload``
+cannot change the packed weights. Merge with ``peft_quant.merge_and_unload(peft_model, calibration_windows)``: the
+palettized layers re-quantize with calibration statistics (a bare ``merge_and_unload()`` refuses). Next to them qrecover writes
 ``qrecover_adapter.json``: which base it was trained on (the sha256 of the checkpoint's manifest and of its
 weights file), its rank and exact size, and how it was trained. :func:`load_adapter` refuses an adapter
 trained on another base unless told otherwise.
@@ -26,10 +31,15 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..errors import QRecoverError
-from ..io_utils import sha256_file
+from ..io_utils import read_json, sha256_file
 from ..qlinear import QuantLinear
+from .peft_quant import register_quant_lora
 
 ADAPTER_META = "qrecover_adapter.json"
 ADAPTER_FORMAT_VERSION = 1
@@ -65,15 +75,13 @@ def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout
     """Wrap ``model`` in a PEFT LoRA model on its quantized projections; only the adapter trains.
 
     ``alpha`` defaults to ``2 * rank`` (scaling 2). B starts at zero, so the wrapped model's output equals
-    the base model's at step 0.
+    the base model's at step 0. The LoRA layers are :class:`~qrecover.recovery.peft_quant.QuantLoraLinear`.
     """
-    from peft import LoraConfig, get_peft_model
-
     if not (isinstance(rank, int) and rank > 0):
         raise QRecoverError(f"LoRA rank {rank!r} must be a positive integer, e.g. --rank 16")
     config = LoraConfig(r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
                         target_modules=quantized_targets(model, targets), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return get_peft_model(model, register_quant_lora(config))
 
 
 def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
@@ -182,9 +190,6 @@ def save_adapter(peft_model: nn.Module, out: Path, base: dict[str, str], paramet
 
     ``out`` should be a fresh (temporary) directory; callers move it into place atomically.
     """
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", SAVE_DTYPE).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
@@ -210,6 +215,30 @@ def save_adapter(peft_model: nn.Module, out: Path, base: dict[str, str], paramet
     return meta
 
 
+def check_adapter_files(adapter: str | Path) -> None:
+    """Refuse, before any model is loaded, an adapter directory PEFT could not read: ``adapter_config.json``
+    missing or not a JSON object, ``adapter_model.safetensors`` missing, truncated or with a corrupt header."""
+    adapter = Path(adapter)
+    fix = "re-export or copy the adapter again (the --out directory of `qrecover recover` / `qrecover finetune`)"
+    if not (adapter / "adapter_config.json").is_file():
+        raise QRecoverError(f"{str(adapter)!r} is not a PEFT adapter directory (no adapter_config.json); "
+                            "pass the --out directory of `qrecover recover`")
+    config = read_json(adapter / "adapter_config.json", "adapter config", "")
+    if not isinstance(config, dict) or "peft_type" not in config:
+        raise QRecoverError(f"adapter config {str(adapter / 'adapter_config.json')!r} is not a PEFT adapter config (a "
+                            f"JSON object with a peft_type); {fix}")
+    weights = adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        if (adapter / "adapter_model.bin").is_file():  # a foreign PEFT adapter in the old format: PEFT reads it
+            return
+        raise QRecoverError(f"adapter {str(adapter)!r} has no adapter_model.safetensors; {fix}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except SafetensorError as e:
+        raise QRecoverError(f"adapter weights {str(weights)!r} are truncated or corrupt ({e}); {fix}") from None
+
+
 def read_adapter_meta(adapter: str | Path) -> dict[str, Any]:
     adapter = Path(adapter)
     if not (adapter / "adapter_config.json").is_file():
@@ -219,11 +248,13 @@ def read_adapter_meta(adapter: str | Path) -> dict[str, Any]:
     if not meta_path.is_file():
         raise QRecoverError(f"{str(adapter)!r} has no {ADAPTER_META}: it was not written by qrecover, so its base "
                             "cannot be checked; pass --allow-foreign-adapter to load it anyway")
-    return json.loads(meta_path.read_text())
+    return read_json(meta_path, "adapter record", "")
 
 
 def check_base(adapter: str | Path, checkpoint: str | Path, allow_foreign: bool = False) -> dict[str, Any] | None:
-    """Refuse an adapter trained on another checkpoint (compares manifest and weights hashes)."""
+    """Refuse an adapter trained on another checkpoint (compares manifest and weights hashes), or one whose
+    files PEFT could not read (:func:`check_adapter_files`)."""
+    check_adapter_files(adapter)
     try:
         meta = read_adapter_meta(adapter)
     except QRecoverError:
@@ -243,19 +274,24 @@ def check_base(adapter: str | Path, checkpoint: str | Path, allow_foreign: bool 
     return meta
 
 
+def peft_from_pretrained(model: nn.Module, adapter: str | Path, trainable: bool = False):
+    """``PeftModel.from_pretrained(model, adapter)`` with qrecover's LoRA layer on the quantized layers
+    (:func:`~qrecover.recovery.peft_quant.register_quant_lora`), so that merging changes the packed weights."""
+    config = PeftConfig.from_pretrained(str(adapter))
+    if isinstance(config, LoraConfig):
+        register_quant_lora(config)
+    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable, config=config)
+
+
 def load_adapter(model: nn.Module, adapter: str | Path, checkpoint: str | Path, allow_foreign: bool = False,
                  trainable: bool = False):
-    """``PeftModel.from_pretrained(model, adapter)`` after checking the adapter belongs to ``checkpoint``."""
-    from peft import PeftModel
-
+    """:func:`peft_from_pretrained` after checking the adapter belongs to ``checkpoint``."""
     check_base(adapter, checkpoint, allow_foreign)
-    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    return peft_from_pretrained(model, adapter, trainable)
 
 
 def adapter_summary(adapter: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """``{path, rank, bpw_cost}`` of an adapter directory; the cost from the bytes of its stored tensors."""
-    from safetensors import safe_open
-
     adapter = Path(adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     size = {"F16": 2, "BF16": 2, "F32": 4}
