@@ -35,14 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qrecover import api  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
-from qrecover.models import load_model  # noqa: E402
 from qrecover.io_utils import sha256_file  # noqa: E402
+from qrecover.models import load_model  # noqa: E402
 from qrecover.recovery.api import default_mix_path, recover  # noqa: E402
 from qrecover.recovery.config import RecoverConfig  # noqa: E402
 from qrecover.recovery.train import peak_memory_bytes  # noqa: E402

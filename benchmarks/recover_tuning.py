@@ -20,11 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from recover import shakespeare_dir  # noqa: E402
+
 from qrecover import api  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
 from qrecover.recovery.api import recover  # noqa: E402
 from qrecover.recovery.config import RecoverConfig  # noqa: E402
-from recover import shakespeare_dir  # noqa: E402
 
 
 def main() -> None:

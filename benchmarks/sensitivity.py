@@ -67,7 +67,7 @@ def main() -> None:
     out = Path(args.report)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps({"spearman": rho, "base_loss": base, "rows": rows}, indent=1))
-    lines = [f"# Sensitivity estimate vs real loss (`python benchmarks/sensitivity.py`)\n",
+    lines = ["# Sensitivity estimate vs real loss (`python benchmarks/sensitivity.py`)\n",
              f"One layer quantized at a time; real = increase of mean held-out loss over {args.windows} x 512 tokens "
              f"(base {base:.4f}). Spearman rank correlation predicted vs real: **{rho:.3f}**.\n",
              "| layer | choice | predicted (nats) | real (nats) |", "|---|---|---|---|"]

@@ -1,9 +1,8 @@
 """qrecover: compress language models below 4 bits per weight, recover accuracy, gate releases."""
 
-__version__ = "0.1.0"
-
-from .schemes import register_quantizer  # noqa: E402
-from .api import compress, load, perplexity  # noqa: E402
+from ._version import __version__
+from .api import compress, load, perplexity
+from .schemes import register_quantizer
 
 __all__ = ["compress", "load", "perplexity", "recover", "finetune", "evaluate", "register_quantizer", "__version__"]
 

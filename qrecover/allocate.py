@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import time
@@ -14,27 +13,28 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from . import __version__
+from ._version import __version__
 from .allocate import Choice
 from .calibrate import progress
-from .stages.allocation import Budget, Infeasible, choose
-from .stages.calibrate import gradients, layer_pass, plan_stats
-from .stages.candidates import quantize_unit
-from .stages.finalize import finalize
-from .stages.specs import Encoding, embedding_encodings, linear_encodings
-from .stages.transform import apply_transforms, transforms_of
-from .stages.write import MANIFEST, WEIGHTS, bpw as _bpw, measure_bpw, write_checkpoint
+from .checkpoint import FORMAT_VERSION, read_manifest
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
 from .io_utils import sha256_file
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
+from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
 from .schemes import QuantizedWeight
 from .sensitivity import METHOD, linear_damage, lookup_damage
+from .stages.allocation import Budget, Infeasible, choose
+from .stages.calibrate import gradients, layer_pass, plan_stats
+from .stages.candidates import quantize_unit
+from .stages.finalize import finalize
+from .stages.specs import Encoding, embedding_encodings, linear_encodings
+from .stages.transform import apply_transforms, transforms_of
+from .stages.write import bpw as _bpw
+from .stages.write import write_checkpoint
 from .transforms import get_transform
-
-FORMAT_VERSION = 1
 
 #: one candidate encoding (kept under its old name for callers of ``Prepared.units[...]["cands"]``)
 Candidate = Encoding
@@ -364,24 +364,6 @@ def _versions() -> dict[str, str]:
 # --- load -----------------------------------------------------------------------------------------------
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    mf = path / MANIFEST
-    if not mf.exists():
-        raise QRecoverError(f"{str(path)!r} is not a qrecover checkpoint (no {MANIFEST}); compress a model first")
-    try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
-        raise QRecoverError(f"{mf} is not valid JSON ({e}); the checkpoint is corrupted, compress again") from None
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise QRecoverError(
-            f"{str(path)!r} has format_version={version!r}, newer than this qrecover reads ({FORMAT_VERSION}); "
-            "upgrade qrecover"
-        )
-    return manifest
-
-
 def _check_plain_linear(name: str, module: nn.Module) -> None:
     """A packed linear layer computes ``x W^T + b`` and nothing else: refuse a layer class whose forward does
     more (a scaled or capped head inside the module) rather than load a model that silently differs.
@@ -401,8 +383,6 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     adapter trained on another checkpoint is refused unless ``allow_foreign_adapter``.
     """
     if adapter is not None:
-        from .recovery.lora import check_base
-
         check_base(adapter, path, allow_foreign_adapter)  # before the expensive load
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -446,8 +426,6 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     model.eval()
     model.qrecover_manifest = manifest
     if adapter is not None:
-        from .recovery.lora import peft_from_pretrained
-
         model = peft_from_pretrained(model, adapter)  # qrecover's LoRA layer: merging re-quantizes
         model.eval()
         model.qrecover_manifest = manifest
@@ -469,8 +447,6 @@ def load_any(spec: str | None, cache: bool = True, adapter: str | Path | None = 
         info = {"kind": "qrecover", "path": str(path), "measured_bpw": model.qrecover_manifest.get("measured_bpw"),
                 "adapter": None}
         if adapter is not None:
-            from .recovery.lora import adapter_summary
-
             info["adapter"] = adapter_summary(adapter, model.qrecover_manifest)
         return model, AutoTokenizer.from_pretrained(path), info
     if adapter is not None:

@@ -51,10 +51,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from ._version import __version__
+from .api import compress, prepare
+from .config import CompressConfig
+from .data import source_files
 from .errors import QRecoverError
-from .io_utils import read_toml, toml_value, write_bytes_atomic, write_text_atomic
+from .io_utils import read_toml, sha256_file, sha256_files, toml_value, write_bytes_atomic, write_text_atomic
+from .models import DEFAULT_MODEL, resolve, weights_sha256
 from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
+from .recovery.api import recover
+from .recovery.config import RecoverConfig
+from .reports.eval import EvalConfig, check_tasks, evaluate, save_results
+from .reports.render import write_report
+from .reports.results import load_results
+from .reports.table import normalise
 from .schemes.base import doc_field
 
 STAGE_FILE = "stage.json"
@@ -72,19 +82,16 @@ _PATH_OPTIONS = {("compress", "calib_data"): "data", ("recover", "mix"): "file",
 
 
 def _compress_fields() -> list[str]:
-    from .config import CompressConfig
 
     return [f.name for f in dataclasses.fields(CompressConfig) if f.name not in ("model", "bpw")]
 
 
 def _recover_fields() -> list[str]:
-    from .recovery.config import RecoverConfig
 
     return [f.name for f in dataclasses.fields(RecoverConfig) if f.name != "rank"]
 
 
 def _eval_fields() -> list[str]:
-    from .reports.eval import EvalConfig
 
     return [f.name for f in dataclasses.fields(EvalConfig) if f.name not in ("model", "adapter", "tasks", "limit")]
 
@@ -163,7 +170,6 @@ class CompressSection:
             self.config(None, b)
 
     def config(self, model: str | None, bpw: float, options: dict[str, Any] | None = None):
-        from .config import CompressConfig
 
         try:
             return CompressConfig(model=model, bpw=bpw, **(self.options if options is None else options))
@@ -202,7 +208,6 @@ class RecoverSection:
             self.config(r)
 
     def config(self, rank: int, options: dict[str, Any] | None = None):
-        from .recovery.config import RecoverConfig
 
         try:
             return RecoverConfig(rank=rank, **(self.options if options is None else options))
@@ -258,7 +263,6 @@ class Recipe:
     @property
     def model_spec(self) -> str | None:
         """What :func:`qrecover.models.resolve` takes: None for the default model."""
-        from .models import DEFAULT_MODEL
 
         return None if self.model.strip() in ("", "default", DEFAULT_MODEL) else str(self.path(self.model))
 
@@ -378,7 +382,6 @@ def stage_key(kind: str, config: dict[str, Any], inputs: dict[str, str]) -> str:
 
 def model_sha256(spec: str | None) -> str:
     """The weights hash of an unquantized model, as :func:`qrecover.models.load_model` records it."""
-    from .models import resolve, weights_sha256
 
     path, kind = resolve(spec)
     if kind == "qrecover":
@@ -389,7 +392,6 @@ def model_sha256(spec: str | None) -> str:
 
 def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(options as keyed, options to run with)``: path options resolved; keyed by content, not by name."""
-    from .io_utils import sha256_file, sha256_files
 
     keyed, run = dict(options), dict(options)
     for (sec, name), what in _PATH_OPTIONS.items():
@@ -403,7 +405,6 @@ def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tup
                 raise QRecoverError(f"[{section}] {name} = {value!r} does not exist (looked for {resolved}); paths are relative to the recipe")
             keyed[name] = {"sha256": sha256_file(resolved)}
         elif what == "data":
-            from .data import source_files
 
             try:
                 keyed[name] = {"sha256": sha256_files(source_files(resolved)[1])}
@@ -417,7 +418,6 @@ def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tup
 def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     """Every stage with its key, and whether it is cached or runs (and why). Reads the model's weights to
     hash them; writes nothing."""
-    from .io_utils import sha256_file
 
     spec = recipe.model_spec
     weights = model_sha256(spec)
@@ -469,7 +469,6 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
 
 def _check_tasks(ev: EvalSection, options: dict[str, Any]) -> None:
     """Unknown task names fail now, not after an hour of compression and training."""
-    from .reports.eval import EvalConfig, check_tasks
 
     check_tasks(EvalConfig(tasks=list(ev.tasks), limit=ev.limit, **options))
 
@@ -522,7 +521,6 @@ class _Context:
 def evaluate_model(model: str | None, adapter: str | None, tasks: list[str], limit: int | None, out: Path,
                    options: dict[str, Any], show_progress: bool) -> Any:
     """The one call into :mod:`qrecover.reports.eval`: score ``model`` (+ ``adapter``), write ``out``."""
-    from .reports.eval import EvalConfig, evaluate, save_results
 
     cfg = EvalConfig(model=model, adapter=adapter, tasks=list(tasks), limit=limit, **options)
     results = evaluate(cfg, show_progress=show_progress)
@@ -544,7 +542,6 @@ def _run_eval(s: Stage, ctx: _Context) -> dict[str, Any]:
 
 
 def _run_compress(s: Stage, ctx: _Context) -> dict[str, Any]:
-    from .api import compress, prepare
 
     cfg = ctx.plan.recipe.compress.config(ctx.plan.recipe.model_spec, s.params["bpw"], s.params["options"])
     same = {k: v for k, v in cfg.to_dict().items() if k != "bpw"}
@@ -561,7 +558,6 @@ def _run_compress(s: Stage, ctx: _Context) -> dict[str, Any]:
 
 
 def _run_recover(s: Stage, ctx: _Context) -> dict[str, Any]:
-    from .recovery.api import recover
 
     (dep,) = s.inputs
     cfg = ctx.plan.recipe.recover.config(s.params["rank"], s.params["options"])
@@ -573,9 +569,6 @@ def _run_recover(s: Stage, ctx: _Context) -> dict[str, Any]:
 
 
 def _run_report(s: Stage, ctx: _Context) -> dict[str, Any]:
-    from .reports.render import write_report
-    from .reports.results import load_results
-    from .reports.table import normalise
 
     (s.dir / "results").mkdir(parents=True, exist_ok=True)
     runs = {}

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import QRecoverError
 from . import kernels
+from .errors import QRecoverError
 from .schemes import QuantizedWeight, get_quantizer
 
 

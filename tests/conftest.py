@@ -9,9 +9,8 @@ embedding dominates).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
+from pathlib import Path
 
 import pytest
 import torch

@@ -31,19 +31,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_CONFIG, build_tiny_model
 from safetensors import safe_open
 
 import qrecover
 import qrecover.api as api
-from qrecover.api import FORMAT_VERSION, compress, read_manifest
-from qrecover.stages import write as stage_write
-from qrecover.stages.specs import LEGACY_EMBEDDING, embedding_encodings
+from qrecover.api import compress
+from qrecover.checkpoint import FORMAT_VERSION, read_manifest
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
 from qrecover.io_utils import sha256_file, sha256_files
 from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead
-
-from conftest import TINY_CKPT_CFG, TINY_CONFIG, build_tiny_model
+from qrecover.stages import write as stage_write
+from qrecover.stages.specs import LEGACY_EMBEDDING, embedding_encodings
 
 LEGACY_LABELS = {e.label for e in LEGACY_EMBEDDING}
 N_LINEAR = TINY_CONFIG["num_hidden_layers"] * 7

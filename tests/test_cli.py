@@ -17,7 +17,6 @@ import json
 import math
 
 import pytest
-
 from cli_helpers import run
 
 from qrecover.cli import main

@@ -16,24 +16,29 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn as nn
 
 import qrecover
 import qrecover.calibrate as calib
 from qrecover.allocate import Choice
 from qrecover.api import compress, prepare
+from qrecover.config import CompressConfig
+from qrecover.errors import QRecoverError
+from qrecover.models import decoder_layers, linear_layers
+from qrecover.schemes import Quantizer, get_quantizer, register_quantizer
+from qrecover.schemes.base import doc_field
 from qrecover.stages import calibrate as stage_calibrate
 from qrecover.stages.allocation import Budget, Infeasible, choose
 from qrecover.stages.calibrate import layer_pass, plan_stats
 from qrecover.stages.finalize import finalize
-from qrecover.stages.specs import (LEGACY_EMBEDDING, embedding_encodings, format_encoding, linear_encodings,
-                                     make_encoding, parse_encoding, parse_encodings, parse_params)
-from qrecover.config import CompressConfig
-from qrecover.errors import QRecoverError
-from qrecover.models import decoder_layers, linear_layers
-from qrecover.schemes import QuantizedWeight, Quantizer, get_quantizer, register_quantizer
-from qrecover.schemes.base import doc_field
-
+from qrecover.stages.specs import (
+    LEGACY_EMBEDDING,
+    embedding_encodings,
+    format_encoding,
+    linear_encodings,
+    parse_encoding,
+    parse_encodings,
+    parse_params,
+)
 
 # --- test-only quantizers ------------------------------------------------------------------------------------
 

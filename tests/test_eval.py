@@ -12,17 +12,16 @@ from __future__ import annotations
 import json
 import math
 import socket
-import sys
-import types
 
 import pytest
 import torch
-
 from cli_helpers import run as _run
+
 from qrecover import benchdata
 from qrecover.errors import QRecoverError
 from qrecover.models import weights_sha256
-from qrecover.reports import agreement, eval as ev
+from qrecover.reports import agreement
+from qrecover.reports import eval as ev
 from qrecover.reports.results import Metric, load_results
 from qrecover.reports.table import check_comparable
 
@@ -112,7 +111,7 @@ def test_deterministic(original, tiny_model_dir, eval_cache, no_network):
 
 
 def test_quantized_against_its_source(quantized, original, tiny_ckpt):
-    from qrecover.api import MANIFEST, read_manifest
+    from qrecover.checkpoint import MANIFEST, read_manifest
     from qrecover.io_utils import sha256_file
 
     q = quantized
@@ -184,7 +183,7 @@ def test_reference_answers_come_from_the_cache(eval_cache, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the reference model was loaded although its answers are cached")
 
-    monkeypatch.setattr("qrecover.api.load_any", no_load)
+    monkeypatch.setattr(ev, "load_any", no_load)
     m = ev.mmlu_flips(cfg, key_ref, [0, 1, 2, 0], None, lambda msg: None)
     assert m.value == pytest.approx(0.25) and m.settings["reference_sha256"] == "f" * 64
     assert m.higher_is_better is False
@@ -227,13 +226,10 @@ def test_judge_seam(tiny_model_dir, eval_cache, monkeypatch):
         calls.append((limit, judge_url, judge_model))
         return Metric(value=0.3, stderr=0.1, higher_is_better=True, settings={"judge": judge_model})
 
-    monkeypatch.setitem(sys.modules, "qrecover.reports.judge", types.SimpleNamespace(evaluate_alpaca=evaluate_alpaca))
+    monkeypatch.setattr(ev, "_judge", lambda: evaluate_alpaca)
     r = ev.evaluate(model=str(tiny_model_dir), tasks=["alpacaeval"], limit=3, judge_url="http://judge", judge_model="j",
                     show_progress=False)
     assert calls == [(3, "http://judge", "j")] and r.metrics["alpacaeval"].value == 0.3
-    monkeypatch.setitem(sys.modules, "qrecover.reports.judge", types.SimpleNamespace())
-    with pytest.raises(QRecoverError, match="evaluate_alpaca"):
-        ev.evaluate(model=str(tiny_model_dir), tasks=["ppl"], judge_url="http://judge", show_progress=False)
 
 
 # --- CLI ------------------------------------------------------------------------------------------------
@@ -338,17 +334,15 @@ class GlobalState:
 
 @pytest.fixture
 def loaded_models(monkeypatch):
-    """Every model ``load_any`` returns during the test."""
-    import qrecover.api
-
-    models, real = [], qrecover.api.load_any
+    """Every model ``load_any`` returns during the test (as evaluation calls it)."""
+    models, real = [], ev.load_any
 
     def recording(*a, **k):
         out = real(*a, **k)
         models.append(out[0])
         return out
 
-    monkeypatch.setattr(qrecover.api, "load_any", recording)
+    monkeypatch.setattr(ev, "load_any", recording)
     return models
 
 

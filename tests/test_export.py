@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from cli_helpers import run
+
 from qrecover.api import compress, load
 from qrecover.config import CompressConfig
 from qrecover.export import export
@@ -117,7 +117,6 @@ def test_row_permutation_matches_llama_cpp_and_transformers_undoes_it():
 
 def _read_gguf_layers(path, ckpt):
     import gguf
-
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(ckpt.path)

@@ -27,9 +27,18 @@ import pytest
 from qrecover import benchdata
 from qrecover.errors import QRecoverError
 from qrecover.reports import judge as J
-from qrecover.reports.judge import (ALPACA_METRIC, JudgeClient, JudgeConfig, alpaca_data_path, alpaca_items,
-                                    candidate_position, evaluate_alpaca, judge_outputs, parse_preference,
-                                    skipped_alpaca_reason)
+from qrecover.reports.judge import (
+    ALPACA_METRIC,
+    JudgeClient,
+    JudgeConfig,
+    alpaca_data_path,
+    alpaca_items,
+    candidate_position,
+    evaluate_alpaca,
+    judge_outputs,
+    parse_preference,
+    skipped_alpaca_reason,
+)
 
 KEY_ENV, KEY = "QRECOVER_TEST_JUDGE_KEY", "sk-test-do-not-leak-1234"
 

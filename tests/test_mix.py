@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from char_tok import EOS, CharTok
 import torch
+from char_tok import EOS, CharTok
 
 from qrecover.errors import QRecoverError
 from qrecover.recovery import mix as mixmod

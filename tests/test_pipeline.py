@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from cli_helpers import run as cli
 
 from qrecover.errors import QRecoverError

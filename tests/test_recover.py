@@ -26,7 +26,7 @@ from qrecover.errors import QRecoverError
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.api import finetune, init_feature_model, recover
 from qrecover.recovery.config import RecoverConfig
-from qrecover.recovery.lora import attach_lora, init_error_svd, load_adapter, lowrank_correction
+from qrecover.recovery.lora import attach_lora, init_error_svd, lowrank_correction
 from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint, mixed_precision, native_bf16
 
 # tiny and fast: 64-token sequences, 2 per step
@@ -411,6 +411,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before the input was validated")
 
     monkeypatch.setattr(qrecover.api, "load", refuse)
+    monkeypatch.setattr(recovery_api, "load", refuse)  # recovery.api's own import of qrecover.api.load
     monkeypatch.setattr(recovery_api, "load_model", refuse)
     monkeypatch.setattr(recovery_api, "attach_lora", refuse)
     monkeypatch.setattr(recovery_api, "init_feature_model", refuse)

@@ -22,8 +22,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import run as run_cli
+
 from qrecover.errors import QRecoverError
 from qrecover.reports.gate import gate
 from qrecover.reports.render import write_report

@@ -27,8 +27,7 @@ from qrecover.recovery import mix as mixmod
 from qrecover.recovery import selfgen
 from qrecover.recovery.chat import IGNORE, encode_chat
 from qrecover.recovery.mix import Mix, MixLoader
-from qrecover.recovery.selfgen import (GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data,
-                                       seed_topics)
+from qrecover.recovery.selfgen import GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data, seed_topics
 
 
 @pytest.fixture(autouse=True)

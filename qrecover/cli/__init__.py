@@ -7,12 +7,16 @@ import sys
 import typer
 
 from ..errors import QRecoverError
-from . import compress as _compress, info as _info, ppl as _ppl
-from . import gate as _gate, report as _report
+from . import compress as _compress
 from . import eval as _eval
-from . import finetune as _finetune, recover as _recover
-from . import pipeline as _pipeline
 from . import export as _export
+from . import finetune as _finetune
+from . import gate as _gate
+from . import info as _info
+from . import pipeline as _pipeline
+from . import ppl as _ppl
+from . import recover as _recover
+from . import report as _report
 
 app = typer.Typer(
     name="qrecover",

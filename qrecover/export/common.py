@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..api import read_manifest
+from ..checkpoint import read_manifest
 from ..errors import QRecoverError
 from ..io_utils import sha256_file
 from ..packing import unpack
+from ..recovery.lora import check_base
 from ..schemes import QuantizedWeight, get_quantizer
 
 #: schemes whose stored tensors have blockwise's layout (qdata / scale / zero_point, w = scale * (q - zp))
@@ -146,8 +147,6 @@ def requantize(qw: QuantizedWeight, bits: int, group: int) -> tuple[QuantizedWei
 
 def check_adapter(adapter: str | Path, checkpoint: Path) -> dict[str, Any]:
     """The adapter's qrecover metadata, after checking it was trained on ``checkpoint``."""
-    from ..recovery.lora import check_base
-
     meta = check_base(adapter, checkpoint, allow_foreign=False)
     assert meta is not None
     return meta

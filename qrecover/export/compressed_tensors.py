@@ -64,8 +64,13 @@ def plan(ckpt: Checkpoint, spec: tuple[int, int] | None) -> tuple[dict[str, Any]
 def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] | None, log) -> dict[str, Any]:
     """Write a transformers model directory with a compressed-tensors ``quantization_config`` into ``tmp``."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 QuantizationStatus, apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     t0 = time.time()

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from ..api import load
+from ..checkpoint import read_manifest
+from ..data import token_windows
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
@@ -143,7 +146,6 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manif
     error, the inputs being the teacher's on the checkpoint's own calibration text (split ``calib``)."""
     from rich.console import Console
 
-    from ..data import token_windows
 
     calib = manifest.get("calibration") or {}
     source, split = calib.get("source", "python-docs"), calib.get("split", "calib")
@@ -203,8 +205,6 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     """
     from transformers import AutoTokenizer
 
-    from ..api import load, read_manifest
-
     cfg = cfg or RecoverConfig()
     checkpoint, out = _require_checkpoint(checkpoint), Path(out)
     if resume and is_complete(out):
@@ -245,8 +245,6 @@ def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_f
                        cache: bool = True):
     """The quantized base (frozen) with the recovery adapter loaded as trainable weights: a feature adapter's
     step 0. The same as ``PeftModel.from_pretrained(qrecover.load(CKPT), RECOVERY_DIR, is_trainable=True)``."""
-    from ..api import load
-
     checkpoint = _require_checkpoint(checkpoint)
     check_base(init_adapter, checkpoint, allow_foreign_adapter)  # unreadable or foreign: refused before the load
     model = load(checkpoint, cache=cache)

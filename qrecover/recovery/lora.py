@@ -36,6 +36,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import read_manifest
 from ..errors import QRecoverError
 from ..io_utils import read_json, sha256_file
 from ..qlinear import QuantLinear
@@ -48,8 +49,6 @@ SAVE_DTYPE = torch.float16  # adapters ship in 16 bits (AFM); training keeps fp3
 
 def base_identity(checkpoint: str | Path) -> dict[str, str]:
     """What an adapter is bound to: the checkpoint's manifest and weights hashes (and its path, for people)."""
-    from ..api import read_manifest
-
     checkpoint = Path(checkpoint)
     manifest = read_manifest(checkpoint)
     return {"path": str(checkpoint.resolve()), "manifest_sha256": sha256_file(checkpoint / "qrecover.json"),

@@ -54,7 +54,7 @@ from ..io_utils import cache_dir, read_toml, sha256_file, toml_value, write_text
 from ..progress import steps
 from ..schemes.base import doc_field
 from .chat import IGNORE, encode_chat
-from .decontam import SourceReport, Verdict, check_document, remove
+from .decontam import SourceReport, Verdict, build_index, check_document, remove
 from .documents import (
     _Docs,
     _HFDocs,
@@ -441,7 +441,6 @@ class MixLoader:
     def index(self) -> Any:
         """The decontamination index in use (built on first use with ``decontaminate=True``), or None."""
         if self._exclude is None and self._decontaminate:
-            from .decontam import build_index
 
             self._exclude = build_index()
         return self._exclude

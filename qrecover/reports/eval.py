@@ -48,11 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._version import __version__
+from ..api import load_any, perplexity
 from ..benchdata import DATA, data_file
+from ..checkpoint import MANIFEST
 from ..errors import QRecoverError
 from ..io_utils import atomic_file, cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, resolve, weights_sha256
 from . import ifeval_offline
+from .agreement import KLProbe, answer_flips, load_answers, store_answers
+from .judge import evaluate_alpaca
 from .results import Adapter, MeasuredBpw, Metric, Results, RunInfo
 from .tasks import TASKS_DIR
 
@@ -490,7 +495,6 @@ def versions() -> dict[str, str]:
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
 
     out = {"qrecover": __version__, "python": platform.python_version()}
     for dist in ("torch", "transformers", "lm_eval", "datasets", "peft", "nltk", "safetensors"):
@@ -502,11 +506,7 @@ def versions() -> dict[str, str]:
 
 
 def _judge():
-    try:
-        from .judge import evaluate_alpaca
-    except ImportError as e:
-        raise QRecoverError(f"alpacaeval needs qrecover.reports.judge.evaluate_alpaca, which this installation "
-                            f"lacks ({e}); drop --judge-url or update qrecover") from None
+    """The AlpacaEval runner (a seam the tests replace with a fake judge)."""
     return evaluate_alpaca
 
 
@@ -564,8 +564,6 @@ def _evaluate(cfg: EvalConfig, show_progress: bool, console: Any, t_start: float
         if name in DATA:
             data_file(name)
 
-    from ..api import load_any, perplexity
-
     show(f"loading {cfg.model or 'the default model'}" + (f" with adapter {cfg.adapter}" if cfg.adapter else ""))
     model, tok, info = load_any(cfg.model, cache=True, **({"adapter": cfg.adapter} if cfg.adapter else {}))
     manifest = getattr(model, "qrecover_manifest", None)
@@ -588,7 +586,6 @@ def _evaluate(cfg: EvalConfig, show_progress: bool, console: Any, t_start: float
             show(f"kl: loading the reference {ref.spec}")
             ref_model, ref_tok, _ = load_any(ref.spec, cache=True)
             reference = (ref_model, ref_tok)
-            from .agreement import KLProbe
 
             probe = KLProbe(model, ref_model)
         show(f"perplexity{' and KL' if ref is not None else ''}: {cfg.windows} x {cfg.seq_len} tokens of {cfg.ppl_data}")
@@ -630,8 +627,6 @@ def _evaluate(cfg: EvalConfig, show_progress: bool, console: Any, t_start: float
 
 def mmlu_flips(cfg: EvalConfig, ref: Reference, answers: list[int], reference: tuple[Any, Any] | None, show: Any) -> Metric:
     """The fraction of MMLU answers that differ from the reference model's (its answers cached)."""
-    from ..api import load_any
-    from .agreement import answer_flips, load_answers, store_answers
 
     settings = mmlu_settings(cfg, len(answers))
     key = {"reference_sha256": ref.sha256, "mmlu": settings, "lm_eval": versions().get("lm_eval")}
@@ -663,8 +658,6 @@ def run_info(cfg: EvalConfig, info: dict[str, Any], manifest: dict[str, Any] | N
         model = DEFAULT_MODEL if info["kind"] == "default" else info["path"]
         return RunInfo(model=model, kind="original", measured_bpw=None, adapter=None, manifest_sha256=None,
                        versions=versions())
-    from ..api import MANIFEST
-
     bpw = manifest["measured_bpw"]
     return RunInfo(
         model=info["path"], kind="recovered" if adapter else "quantized",

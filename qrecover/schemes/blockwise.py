@@ -19,7 +19,7 @@ import torch
 
 from ..errors import QRecoverError
 from ..packing import pack, packed_nbytes, unpack
-from .base import Quantizer, QuantizedWeight, doc_field, register_quantizer
+from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
 
 
 @dataclass

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from ..errors import QRecoverError
 from ..packing import pack, packed_nbytes, unpack
+from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
 from .feedback import error_feedback
-from .base import Quantizer, QuantizedWeight, doc_field, register_quantizer
 
 
 @dataclass

@@ -13,10 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import MANIFEST, WEIGHTS
 from ..io_utils import atomic_dir, sha256_file
 
-MANIFEST = "qrecover.json"
-WEIGHTS = "model.safetensors"
 _DTYPE_BYTES = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 
 

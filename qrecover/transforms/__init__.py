@@ -1,69 +1,7 @@
-"""Function-preserving model transforms applied before quantization (e.g. AWQ's activation-aware scaling).
+"""Function-preserving transforms applied before quantization (the contract is in :mod:`.base`). Importing
+this package registers them."""
 
-A transform rescales a decoder layer's weights so that the model computes the same function but its
-linear layers quantize with less damage. It is one class registered by name, like a quantizer:
-
-- ``name``: how specs and the manifest refer to it (``awq`` in ``awq+gptq:4/g128``);
-- ``check(model)``: raise :class:`~qrecover.errors.QRecoverError` naming the architecture and the supported
-  ones when the transform cannot be applied (before any expensive work);
-- ``apply_layer(layer, inputs, kwargs, quantize_fn)``: search and fold in place for one decoder layer,
-  given that layer's calibration inputs (``inputs``: list of hidden states ``(1, seq, hidden)``, ``kwargs``:
-  the matching keyword arguments the decoder layer is called with) and ``quantize_fn(name, weight) ->
-  dequantized weight`` (the fake-quantization the search optimises for, supplied by the compress
-  pipeline; ``name`` is the linear's name inside the layer). Returns a JSON-able summary for the manifest.
-
-The compress pipeline calls ``apply_layer`` layer by layer, before it collects that layer's statistics, so
-each layer is searched on inputs produced by the already transformed layers before it.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any, ClassVar
-
-import torch
-import torch.nn as nn
-
-from ..errors import QRecoverError
-
-QuantizeFn = Callable[[str, torch.Tensor], torch.Tensor]
-
-
-class Transform:
-    """Base class of function-preserving transforms; see the module docstring for the contract."""
-
-    name: ClassVar[str]
-
-    def check(self, model: nn.Module) -> None:
-        """Raise QRecoverError if this transform cannot be applied to ``model``."""
-
-    def apply_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict[str, Any]],
-                    quantize_fn: QuantizeFn) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-_TRANSFORMS: dict[str, type[Transform]] = {}
-
-
-def register_transform(cls: type[Transform]) -> type[Transform]:
-    """Class decorator: make a transform available by its ``name``."""
-    if cls.name in _TRANSFORMS and _TRANSFORMS[cls.name] is not cls:
-        raise ValueError(f"a transform named {cls.name!r} is already registered: {_TRANSFORMS[cls.name]}")
-    _TRANSFORMS[cls.name] = cls
-    return cls
-
-
-def transform_names() -> list[str]:
-    return sorted(_TRANSFORMS)
-
-
-def get_transform(name: str, **params: Any) -> Transform:
-    """The registered transform ``name`` built with ``params``."""
-    if name not in _TRANSFORMS:
-        raise QRecoverError(f"unknown transform {name!r}; registered transforms: {transform_names()}")
-    return _TRANSFORMS[name](**params)
-
+from . import awq  # noqa: F401  (registration side effect)
+from .base import QuantizeFn, Transform, get_transform, register_transform, transform_names
 
 __all__ = ["QuantizeFn", "Transform", "get_transform", "register_transform", "transform_names"]
-
-from . import awq  # noqa: E402,F401  (registration side effect)

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ..errors import QRecoverError
 from ..models import decoder_layers
-from . import QuantizeFn, Transform, register_transform
+from .base import QuantizeFn, Transform, register_transform
 
 
 @dataclass(frozen=True)
