@@ -197,7 +197,8 @@ def main() -> None:
         final = ppl(m, tok)
         points.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
         rows.append({"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
-                     "targets": targets, "init": init, "lr": cfg.lr, "init_output_error_removed": meta["init"].get("output_error_removed"), "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
+                     "targets": targets, "init": init, "lr": cfg.lr, "init_output_error_removed": meta["init"].get("output_error_removed"),
+                     "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
                      "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                      "train_seconds": meta["training"]["seconds"], "wall_seconds": seconds,
                      "data_setup_seconds": meta["training"]["data_setup_seconds"],
@@ -246,7 +247,8 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, speed,
         f"Original: ppl {original['ood']:.2f} out-of-domain, {original['in_domain']:.2f} in-domain.\n",
         "The trials that chose the training defaults (the svd init, batch, learning rate, the data mix's general chats) are in "
         "reports/recover-tuning.md.\n",
-        "| checkpoint | quantized ppl (ood / in) | adapter | init (output error removed), lr if not the default | adapter MB (16-bit) | + bpw | bpw with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
+        "| checkpoint | quantized ppl (ood / in) | adapter | init (output error removed), lr if not the default | adapter MB (16-bit) | + bpw | bpw "
+        "with adapter | tokens | recovered ppl (ood / in) | gap closed ood | gap closed in | tok/s | peak MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

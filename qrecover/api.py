@@ -36,9 +36,6 @@ from .stages.write import bpw as _bpw
 from .stages.write import write_checkpoint
 from .transforms import get_transform
 
-#: one candidate encoding (kept under its old name for callers of ``Prepared.units[...]["cands"]``)
-Candidate = Encoding
-
 
 def _fits(c: Encoding, shape: tuple[int, int]) -> bool:
     try:

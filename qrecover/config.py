@@ -20,12 +20,19 @@ class CompressConfig:
     bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers", )
     scheme: str = doc_field("palettize", "quantizer for the decoder linear layers (a registered scheme name)")
     scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
-    embedding_bits: str = doc_field("auto", "shorthand for embedding_encodings: 'auto' (the allocator picks among 4-bit row-wise blocks of 128/64/32, 8-bit per-channel, 3- and 2-bit blocks of 32 and 4/3-bit per-row look-up tables), 'legacy' (the first four only), '4' or '8'")
-    encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' (grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`")
-    embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. 'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
-    finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it (GPTQ's sequential mode)")
-    device: str = doc_field("auto", "where calibration, quantization and finalize run: 'cpu', 'cuda' (or 'cuda:N') or 'auto' (CUDA when available); one decoder layer is on it at a time")
-    allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly by position)")
+    embedding_bits: str = doc_field("auto", "shorthand for embedding_encodings: 'auto' (the allocator picks among 4-bit row-wise blocks of "
+                                            "128/64/32, 8-bit per-channel, 3- and 2-bit blocks of 32 and 4/3-bit per-row look-up tables), 'legacy' "
+                                            "(the first four only), '4' or '8'")
+    encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' "
+                                            "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`")
+    embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. "
+                                                      "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
+    finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "
+                                     "(GPTQ's sequential mode)")
+    device: str = doc_field("auto", "where calibration, quantization and finalize run: 'cpu', 'cuda' (or 'cuda:N') or 'auto' (CUDA when available); "
+                                    "one decoder layer is on it at a time")
+    allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly "
+                                               "by position)")
     calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files")
     calib_samples: int = doc_field(32, "calibration windows (32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw)")
     seq_len: int = doc_field(512, "tokens per calibration window")

@@ -110,7 +110,8 @@ def _is_int(x: Any) -> bool:
 class EvalSection:
     """``[eval]``: what every model (original, quantized, recovered) is scored on, identically."""
 
-    tasks: list[str] = doc_field(None, f"tasks of `qrecover eval` (default {DEFAULT_TASKS}): gsm8k, ifeval, mmlu, ppl, kl, alpacaeval or lm-eval task names")
+    tasks: list[str] = doc_field(None, f"tasks of `qrecover eval` (default {DEFAULT_TASKS}): gsm8k, ifeval, mmlu, ppl, kl, alpacaeval or lm-eval "
+                                       "task names")
     limit: int | None = doc_field(None, "items per benchmark task (MMLU: questions round-robin over subjects); left out = every item")
     options: dict[str, Any] = doc_field(None, "any other EvalConfig field (batch_size, max_gen_toks, ppl_data, windows, seq_len, reference, "
                                               "judge_url, judge_model), written as a key of [eval] itself")

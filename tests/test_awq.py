@@ -198,7 +198,8 @@ def test_unknown_architecture_raises():
     class FooDecoderLayer(nn.Module):
         pass
 
-    with pytest.raises(QRecoverError, match=r"awq has no mapping for FooDecoderLayer; supported: \[.*LlamaDecoderLayer.*\]; use an encoding without awq"):
+    with pytest.raises(QRecoverError,
+                       match=r"awq has no mapping for FooDecoderLayer; supported: \[.*LlamaDecoderLayer.*\]; use an encoding without awq"):
         AWQ().apply_layer(FooDecoderLayer(), [], [], rtn(4, 16))
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=2, vocab_size=64))
     with pytest.raises(QRecoverError, match=r"no mapping for GPT2Block"):

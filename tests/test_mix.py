@@ -92,7 +92,8 @@ def test_default_mix_loads():
 
 @pytest.mark.parametrize("recipe, message", [
     ({"source": [{"name": "a", "kind": "builtin", "weight": 1, "pth": "x"}]}, "unknown key 'pth'; allowed keys: name, kind, weight, max_documents"),
-    ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "x", "samples": 3}]}, "unknown key 'samples'; allowed keys: name, kind, weight, path, split"),
+    ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "x", "samples": 3}]},
+     "unknown key 'samples'; allowed keys: name, kind, weight, path, split"),
     ({"sources": []}, "unknown top-level key(s) ['sources']"),
     ({"source": []}, "the mix has no sources"),
     ({"source": [{"name": "a", "kind": "csv", "weight": 1}]}, "unknown kind 'csv'; choose from"),
@@ -104,7 +105,8 @@ def test_default_mix_loads():
     ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "nothing/*.txt"}]}, "path 'nothing/*.txt' matches no files"),
     ({"source": [{"name": "a", "kind": "jsonl", "weight": 1, "path": "a"}]}, "is a directory with no .jsonl files"),
     ({"source": [{"name": "a", "kind": "jsonl", "weight": 1}]}, "needs a path"),
-    ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "a", "split": "test"}]}, "split = 'test' must be one of ['eval', 'calib', 'train']"),
+    ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "a", "split": "test"}]},
+     "split = 'test' must be one of ['eval', 'calib', 'train']"),
     ({"source": [{"name": "a", "kind": "hf", "weight": 1}]}, "needs dataset = "),
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "samples": 0}]}, "samples = 0 must be a positive integer"),
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "prompt_mode": "magic"}]}, "prompt_mode = 'magic' must be 'template' or 'model'"),
@@ -369,13 +371,6 @@ def test_plan_is_cached(tiny_sources, monkeypatch):
     _write(tiny_sources / "a" / "x.txt", "x" * 10)
     with pytest.raises(AssertionError, match="tokenized again"):
         MixLoader(_mix(tiny_sources), CharTok(), seq_len=8, total_tokens=80, show_progress=False).plan()
-
-
-def test_batches(tiny_sources):
-    loader = MixLoader(_mix(tiny_sources), CharTok(), seq_len=8, total_tokens=8 * 10, show_progress=False)
-    batches = list(loader.batches(4))
-    assert [b["input_ids"].shape for b in batches] == [(4, 8), (4, 8), (2, 8)]
-    assert sum(len(b["source"]) for b in batches) == 10
 
 
 # --- chat masking ---------------------------------------------------------------------------------------

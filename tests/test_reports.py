@@ -7,11 +7,12 @@ lower-is-better one (b/v), stderr propagated to first order and null when a stde
 settings and a metric absent from the baseline are errors naming the metric; rows sorted by bpw
 descending, quantized before recovered, with bpw with and without the adapter; report.md holds the
 table, report.json round-trips, report.html parses and holds the table and (with matplotlib) an inline
-SVG with one titled panel per metric (the browser's view of it: tests/test_report_browser.py); the gate's exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection,
-missing cells, and ``--noise-aware`` passing a cell that plain mode fails. Skipped metrics (AlpacaEval without a
-judge): ``Results.skipped`` round-trips and is validated, files without it still load and save unchanged,
-the report's column reads "not run: no judge configured" in md/json/html (and "baseline not run: ..." when
-only the baseline skipped it), and the gate lists such a cell as skipped, neither pass nor failure.
+SVG with one titled panel per metric (the browser's view of it: tests/test_report_browser.py); the gate's
+exit codes 0/1/2 through ``qrecover.cli.main``, per-metric thresholds, row selection, missing cells, and
+``--noise-aware`` passing a cell that plain mode fails. Skipped metrics (AlpacaEval without a judge):
+``Results.skipped`` round-trips and is validated, files without it still load and save unchanged, the
+report's column reads "not run: no judge configured" in md/json/html (and "baseline not run: ..." when only
+the baseline skipped it), and the gate lists such a cell as skipped, neither pass nor failure.
 """
 
 from __future__ import annotations

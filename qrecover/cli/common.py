@@ -12,7 +12,8 @@ console = Console(stderr=True)
 
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of a table.")
 ModelArg = typer.Option(None, "--model", "-m", help="Hugging Face causal-LM directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-AdapterOpt = typer.Option(None, "--adapter", help="A recovery/feature adapter directory (PEFT) trained on this checkpoint; another base's adapter is refused.")
+AdapterOpt = typer.Option(None, "--adapter", help="A recovery/feature adapter directory (PEFT) trained on this checkpoint; another base's adapter is "
+                                                  "refused.")
 AllowForeignOpt = typer.Option(False, "--allow-foreign-adapter", help="Load --adapter even though it was trained on another checkpoint.")
 CalibDataOpt = typer.Option("python-docs", "--calib-data", help="Text: 'python-docs' (built in), or a directory, file or glob of text files.")
 

@@ -36,20 +36,32 @@ every candidate then quantizes the transformed weights.
 
 
 def compress(
-    bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw a single --bits width gives a uniform model)."),
-    uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits (the same as giving one --bits width and no --bpw)."),
+    bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw "
+                                                            "a single --bits width gives a uniform model)."),
+    uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits (the same as giving one "
+                                                          "--bits width and no --bpw)."),
     model: Optional[str] = ModelArg,
     bits: str = typer.Option("2,3,4", "--bits", help="Candidate widths for the decoder linear layers, e.g. 2,4 (AFM) or 2,3,4."),
     scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
-    scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...); with --bits, shorthand for --encodings SCHEME:B1,SCHEME:B2,..."),
+    scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...); with "
+                                                             "--bits, shorthand for --encodings SCHEME:B1,SCHEME:B2,..."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per scale (default 64)."),
-    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="Shorthand for --embedding-encodings: 'auto' (4-bit row-wise blocks of 128/64/32, 8-bit per-channel, 3/2-bit blocks of 32, 4/3-bit per-row tables), 'legacy' (the first four only), 4 or 8."),
-    encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. palettize:2,palettize:3,gptq:4/g64,blockwise:8 (overrides --scheme/--bits)."),
-    embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. blockwise:4/b32/asym,palettize:3/g1 (overrides --embedding-bits)."),
-    scheme_param: Optional[list[str]] = typer.Option(None, "--scheme-param", help="KEY=VALUE for the linear layers' scheme(s), repeatable, e.g. --scheme-param group_size=8 --scheme-param iters=50."),
-    finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="Re-quantize each layer with its chosen encoding on the outputs of the already quantized layers (default on)."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when available): where calibration, quantization and finalize run, one decoder layer at a time."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per "
+                                                                        "scale (default 64)."),
+    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="Shorthand for --embedding-encodings: 'auto' (4-bit row-wise blocks of "
+                                                                        "128/64/32, 8-bit per-channel, 3/2-bit blocks of 32, 4/3-bit per-row "
+                                                                        "tables), 'legacy' (the first four only), 4 or 8."),
+    encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
+                                                                      "palettize:2,palettize:3,gptq:4/g64,blockwise:8 (overrides --scheme/--bits)."),
+    embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
+                                                                                          "blockwise:4/b32/asym,palettize:3/g1 (overrides "
+                                                                                          "--embedding-bits)."),
+    scheme_param: Optional[list[str]] = typer.Option(None, "--scheme-param", help="KEY=VALUE for the linear layers' scheme(s), repeatable, e.g. "
+                                                                                  "--scheme-param group_size=8 --scheme-param iters=50."),
+    finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="Re-quantize each layer with its chosen encoding on the outputs of the "
+                                                                         "already quantized layers (default on)."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when available): where calibration, quantization and "
+                                                        "finalize run, one decoder layer at a time."),
     allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
     calib_data: str = CalibDataOpt,
     calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),

@@ -33,16 +33,22 @@ Runs compare (`qrecover report`) only under the same --limit, --batch-size, --ma
 
 def eval_(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory, HF model directory or .gguf (default: the built-in model)."),
-    adapter: Optional[Path] = typer.Option(None, "--adapter", help="Recovery adapter directory (PEFT layout) for the checkpoint: the run is kind 'recovered'."),
-    tasks: str = typer.Option("gsm8k,ifeval,mmlu,ppl,kl", "--tasks", help="Comma-separated: gsm8k, ifeval, mmlu, ppl, kl, alpacaeval, or lm-eval task names (those need their dataset locally; no hub access)."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Score the first N items of each benchmark (MMLU: N questions round-robin over subjects). Default: all."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="Recovery adapter directory (PEFT layout) for the checkpoint: the run is kind "
+                                                                   "'recovered'."),
+    tasks: str = typer.Option("gsm8k,ifeval,mmlu,ppl,kl", "--tasks", help="Comma-separated: gsm8k, ifeval, mmlu, ppl, kl, alpacaeval, or lm-eval "
+                                                                          "task names (those need their dataset locally; no hub access)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Score the first N items of each benchmark (MMLU: N questions round-robin over "
+                                                              "subjects). Default: all."),
     batch_size: int = typer.Option(4, "--batch-size", help="lm-eval batch size (recorded: batched greedy generation can differ slightly)."),
-    max_gen_toks: Optional[int] = typer.Option(None, "--max-gen-toks", help="Generation length for gsm8k and ifeval (default: lm-eval's, 256 and 1280)."),
+    max_gen_toks: Optional[int] = typer.Option(None, "--max-gen-toks", help="Generation length for gsm8k and ifeval (default: lm-eval's, 256 and "
+                                                                            "1280)."),
     data: str = typer.Option("python-docs", "--data", help="ppl/kl text source; its held-out 'eval' split is scored."),
     windows: int = typer.Option(32, "--windows", help="ppl/kl: number of non-overlapping windows."),
     seq_len: int = typer.Option(512, "--seq-len", help="ppl/kl: tokens per window."),
-    reference: Optional[str] = typer.Option(None, "--reference", help="Unquantized model for kl and mmlu_flips (default: the checkpoint's source from its qrecover.json)."),
-    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible endpoint of the alpacaeval judge; alpacaeval runs only with it."),
+    reference: Optional[str] = typer.Option(None, "--reference", help="Unquantized model for kl and mmlu_flips (default: the checkpoint's source "
+                                                                      "from its qrecover.json)."),
+    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible endpoint of the alpacaeval judge; alpacaeval runs only with "
+                                                                      "it."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the results file (schema v1) here, atomically."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),

@@ -25,9 +25,11 @@ def export(
     checkpoint: Path = typer.Argument(..., help="A checkpoint directory written by `qrecover compress`."),
     fmt: str = typer.Option(..., "--format", "-f", help="gguf (llama.cpp), compressed-tensors (vLLM, transformers) or coreml."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
-    adapter: Optional[Path] = typer.Option(None, "--adapter", help="A recovery adapter trained on CHECKPOINT, exported beside the base in the runtime's layout (another base's adapter is refused)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", help="A recovery adapter trained on CHECKPOINT, exported beside the base in the "
+                                                                   "runtime's layout (another base's adapter is refused)."),
     merge_adapter: bool = typer.Option(False, "--merge-adapter", help="Merge --adapter into the weights (not available yet)."),
-    requantize: Optional[str] = typer.Option(None, "--requantize", help="compressed-tensors: re-quantize layers the format cannot hold (palettized) to e.g. int4/g64, reporting the measured loss."),
+    requantize: Optional[str] = typer.Option(None, "--requantize", help="compressed-tensors: re-quantize layers the format cannot hold (palettized) "
+                                                                        "to e.g. int4/g64, reporting the measured loss."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),
     json_out: bool = JsonOpt,
 ) -> None:

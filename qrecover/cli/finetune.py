@@ -31,7 +31,8 @@ def finetune(
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", help="Optimizer steps between resumable checkpoints."),
-    precision: str = typer.Option(RecoverConfig.default("precision"), "--precision", help="'auto' (bf16 autocast where the device computes it natively), 'bf16' or 'fp32'."),
+    precision: str = typer.Option(RecoverConfig.default("precision"), "--precision", help="'auto' (bf16 autocast where the device computes it "
+                                                                                          "natively), 'bf16' or 'fp32'."),
     seed: int = typer.Option(0, "--seed", help="Data-order seed."),
     allow_foreign_adapter: bool = typer.Option(False, "--allow-foreign-adapter", help="Accept an init adapter trained on another checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train again from scratch if OUT exists."),

@@ -42,11 +42,14 @@ def parse_metric(spec: str) -> tuple[str, float]:
 
 def gate(
     report: Path = typer.Argument(..., help="report.json written by `qrecover report`."),
-    min_ratio: float = typer.Option(..., "--min-ratio", help="Least fraction of the unquantized score every checked cell must keep, e.g. 0.97 = 97%."),
+    min_ratio: float = typer.Option(..., "--min-ratio",
+                                    help="Least fraction of the unquantized score every checked cell must keep, e.g. 0.97 = 97%."),
     metric: list[str] = typer.Option([], "--metric", help="Per-metric threshold NAME=FRACTION, overriding --min-ratio (repeatable)."),
     rows: str = typer.Option("auto", "--rows", help="Rows to check: auto (recovered rows, or all if none), all, quantized, recovered."),
     noise_aware: bool = typer.Option(False, "--noise-aware", help="Fail a cell only when ratio + one standard error is below its threshold."),
-    include_uninformative: bool = typer.Option(False, "--include-uninformative", help="Also check metrics the report marks uninformative (unquantized score within noise of chance); skipped by default."),
+    include_uninformative: bool = typer.Option(False, "--include-uninformative", help="Also check metrics the report marks uninformative "
+                                                                                      "(unquantized score within noise of chance); skipped by "
+                                                                                      "default."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Gate a release on a report: every checked cell's ratio to the unquantized model must reach its threshold."""
@@ -70,7 +73,8 @@ def gate(
     for h in ("row", "metric", "ratio", "± stderr", "threshold", "result"):
         t.add_column(h, justify="left" if h in ("row", "metric", "result") else "right")
     for c in result.cells:
-        verdict = "[yellow]skipped, uninformative[/]" if c.uninformative else "[yellow]skipped[/]" if c.skipped else "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
+        verdict = ("[yellow]skipped, uninformative[/]" if c.uninformative else "[yellow]skipped[/]" if c.skipped
+                   else "[green]pass[/]" if c.passed else "[bold red]FAIL[/]")
         t.add_row(escape(c.row), escape(c.metric), "—" if c.ratio is None else f"{100 * c.ratio:.1f}%",
                   "—" if c.ratio_stderr is None else f"{100 * c.ratio_stderr:.1f}", f"{100 * c.threshold:.1f}%",
                   verdict + (f" ({escape(c.note)})" if c.note else ""))

@@ -38,10 +38,14 @@ def _plan_table(plan) -> None:
 
 
 def pipeline(
-    recipe: str = typer.Argument(..., help="Recipe TOML (model, work_dir, report_dir and the eval, compress and recover tables), or the name of a shipped recipe: table10 (Table 10 on the default model; its relative paths are relative to the working directory)."),
+    recipe: str = typer.Argument(..., help="Recipe TOML (model, work_dir, report_dir and the eval, compress and recover tables), or the name of a "
+                                           "shipped recipe: table10 (Table 10 on the default model; its relative paths are relative to the working "
+                                           "directory)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (stages, keys, cached or to run) and stop."),
-    force: list[str] = typer.Option([], "--force", help="Run this stage even if cached (repeatable), e.g. --force eval-original; the stages that consume it run too."),
-    only: list[str] = typer.Option([], "--only", help="Run just this stage (repeatable) once its inputs are done, e.g. two evaluations in two processes; the report is written when every stage is done."),
+    force: list[str] = typer.Option([], "--force", help="Run this stage even if cached (repeatable), e.g. --force eval-original; the stages that "
+                                                        "consume it run too."),
+    only: list[str] = typer.Option([], "--only", help="Run just this stage (repeatable) once its inputs are done, e.g. two evaluations in two "
+                                                      "processes; the report is written when every stage is done."),
     json_out: bool = JsonOpt,
 ) -> None:
     """The whole experiment from one recipe: evaluate the original, compress at each bpw, recover at each rank,

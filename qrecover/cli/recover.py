@@ -34,21 +34,28 @@ def recover(
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Several ranks in one command, e.g. 8,16,32: one adapter each, in OUT/rank-R."),
     mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped mix (qrecover/recipes/default-mix.toml)."),
     tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens per adapter."),
-    objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) or 'mix'."),
+    objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) "
+                                                                      "or 'mix'."),
     kd_weight: float = typer.Option(D("kd_weight"), "--kd-weight", help="With --objective mix: weight of the distillation term."),
-    init: str = typer.Option(D("init"), "--init", help="'svd': adapters start as the rank-r approximation of each layer's quantization error (weighted by calibration inputs; needs the unquantized model); 'zero': PEFT's default B = 0."),
+    init: str = typer.Option(D("init"), "--init", help="'svd': adapters start as the rank-r approximation of each layer's quantization error "
+                                                       "(weighted by calibration inputs; needs the unquantized model); 'zero': PEFT's default B = "
+                                                       "0."),
     lr: float = typer.Option(D("lr"), "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
     seq_len: int = typer.Option(D("seq_len"), "--seq-len", help="Tokens per packed training sequence."),
     batch_size: int = typer.Option(D("batch_size"), "--batch-size", help="Sequences per micro-batch (per process)."),
     grad_accum: int = typer.Option(D("grad_accum"), "--grad-accum", help="Micro-batches per optimizer step."),
     targets: str = typer.Option("all", "--targets", help="'all' quantized projections, or 'top:N' = the N most damaged layers (a smaller adapter)."),
-    checkpoint_every: int = typer.Option(D("checkpoint_every"), "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only at the end)."),
+    checkpoint_every: int = typer.Option(D("checkpoint_every"), "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only "
+                                                                                           "at the end)."),
     gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in backward: less memory, slower."),
-    precision: str = typer.Option(D("precision"), "--precision", help="'auto' (bf16 autocast where the device computes bf16 natively: CUDA, CPUs with AVX512-BF16/AMX; else fp32), 'bf16' or 'fp32'."),
-    no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in memory."),
+    precision: str = typer.Option(D("precision"), "--precision", help="'auto' (bf16 autocast where the device computes bf16 natively: CUDA, CPUs "
+                                                                      "with AVX512-BF16/AMX; else fp32), 'bf16' or 'fp32'."),
+    no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in "
+                                                                        "memory."),
     no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the evaluation sets."),
     seed: int = typer.Option(0, "--seed", help="Seed for the adapter initialisation and data order."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Adapter directory (default: CHECKPOINT-lora-rR; with --ranks the parent of rank-R)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Adapter directory (default: CHECKPOINT-lora-rR; with --ranks the parent of "
+                                                                 "rank-R)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Train again from scratch if OUT exists."),
     resume: bool = typer.Option(False, "--resume", help="Continue OUT's last checkpoint (a finished adapter is left as it is)."),
     keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT/checkpoints after training."),

@@ -181,7 +181,8 @@ class DecontamSettings:
     info_7gram: float = field(default=0.2, metadata={"help": "7-gram ratio above which a document is reported as 'partial' (kept)"})
     contaminated_7gram: float = field(default=0.5, metadata={"help": "7-gram ratio at or above which a document is dropped"})
     allowed_min_items: int = field(default=10, metadata={"help": "a 13-gram found in this many distinct eval items is boilerplate, allowed"})
-    passage_chars: int = field(default=4000, metadata={"help": "documents longer than this are judged (and cut) per passage of at most this many characters"})
+    passage_chars: int = field(default=4000, metadata={"help": "documents longer than this are judged (and cut) per passage of at most this many "
+                                                               "characters"})
     extra_allowed: tuple[str, ...] = field(default=(), metadata={"help": "more allowed 13-grams (any text; normalised)"})
 
     def __post_init__(self) -> None:
@@ -460,4 +461,5 @@ def scan(documents: Iterable[tuple[str, Any]], index: DecontamIndex, source: str
 
 
 __all__ = ["normalize", "ngram_hashes", "EvalSet", "EVAL_SETS", "DecontamSettings", "Verdict", "DecontamIndex",
-           "build_index", "passages", "check_document", "remove", "SourceReport", "scan", "gsm8k_test", "ifeval", "alpaca_eval", "mmlu", "text_eval_split"]
+           "build_index", "passages", "check_document", "remove", "SourceReport", "scan", "gsm8k_test", "ifeval", "alpaca_eval", "mmlu",
+           "text_eval_split"]

@@ -81,8 +81,6 @@ KIND_KEYS: dict[str, tuple[str, ...]] = {
 PLAN_VERSION = 1
 STATE_VERSION = 1
 
-Doc = "str | list[dict]"  # a text, or a chat: a list of {role, content} messages
-
 
 @dataclass
 class Source:
@@ -95,7 +93,8 @@ class Source:
     split: str | None = doc_field(None, "text: one of eval/calib/train (the path-hash split of qrecover.data; None = every file); "
                                         "hf: the dataset split (default 'train')")
     field: str = doc_field("text", "jsonl/parquet/hf: the field holding a document's text")
-    messages_field: str = doc_field("messages", "jsonl/parquet/hf: the field holding a chat (list of {role, content}); it wins over `field` when present")
+    messages_field: str = doc_field("messages", "jsonl/parquet/hf: the field holding a chat (list of {role, content}); it wins over `field` when "
+                                                "present")
     dataset: str | None = doc_field(None, "hf: dataset name on the Hub (or a local builder such as 'json' with data_files)")
     config: str | None = doc_field(None, "hf: dataset configuration name")
     data_files: str | None = doc_field(None, "hf: data files for a builder dataset ('json', 'parquet', ...)")
@@ -109,7 +108,8 @@ class Source:
     seed: int = doc_field(0, "selfgen: seed of the topic order and of sampling")
     model: str | None = doc_field(None, "selfgen: the instruct model that writes the data (None = the loader's `model`, else the built-in default)")
     batch_size: int = doc_field(16, "selfgen: prompts generated together")
-    prompt_mode: str = doc_field("template", "selfgen: 'template' (instruction templates filled with topics) or 'model' (the model writes the requests)")
+    prompt_mode: str = doc_field("template", "selfgen: 'template' (instruction templates filled with topics) or 'model' (the model writes the "
+                                             "requests)")
     topics: str = doc_field("python-docs", "selfgen: where request topics come from: a text source's train-split section titles "
                                            "('python-docs' = the built-in docs), or 'general' = built-in everyday subjects with "
                                            "writing tasks (stories, poems, letters, ...)")
@@ -623,13 +623,6 @@ class MixLoader:
             self._k += 1
             yield {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long),
                    "source": name}
-
-    def batches(self, batch_size: int) -> Iterator[dict[str, Any]]:
-        """Stacked batches: ``input_ids``/``labels`` ``(B, seq_len)``, ``source`` list of B names (last may be short)."""
-        it = iter(self)
-        while chunk := [s for _, s in zip(range(batch_size), it)]:
-            yield {"input_ids": torch.stack([s["input_ids"] for s in chunk]),
-                   "labels": torch.stack([s["labels"] for s in chunk]), "source": [s["source"] for s in chunk]}
 
     # --- resume and reporting ---------------------------------------------------------------------------
 

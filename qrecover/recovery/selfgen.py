@@ -57,11 +57,13 @@ INSTRUCTION_TYPES: tuple[tuple[str, str, str], ...] = (
     ("example", "a request for a short code example that uses {topic}", "Show me a short Python example that uses {topic}, and explain it."),
     ("howto", "a 'how do I' question about a practical task involving {topic}", "How do I use {topic} in practice? Give step-by-step instructions."),
     ("compare", "a request to compare {topic} with an alternative", "Compare {topic} with an alternative. When should I use each?"),
-    ("debug", "a request for help with an error someone hit while using {topic}", "I get an error when I use {topic}. What are the common causes and fixes?"),
+    ("debug", "a request for help with an error someone hit while using {topic}",
+     "I get an error when I use {topic}. What are the common causes and fixes?"),
     ("summary", "a request to summarize {topic} in exactly three sentences", "Summarize {topic} in exactly three sentences."),
     ("list", "a request for a bulleted list of tips about {topic}", "Give me a bulleted list of five tips about {topic}."),
     ("short", "a question about {topic} that asks for an answer of fewer than 50 words", "In fewer than 50 words, what is {topic} for?"),
-    ("quiz", "a request for a multiple-choice quiz question about {topic}, with its answer", "Write one multiple-choice quiz question about {topic}, with the answer."),
+    ("quiz", "a request for a multiple-choice quiz question about {topic}, with its answer",
+     "Write one multiple-choice quiz question about {topic}, with the answer."),
     ("email", "a request to write a short email to a colleague about {topic}", "Write a short email to a colleague recommending {topic}."),
 )
 # The built-in 'general' prompt set: everyday English subjects with writing tasks (stories, poems, letters, ...), so
@@ -251,7 +253,8 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
                 "batch_size": batch_size, "topics_source": topics_source,
                 "topics_sha256": hashlib.sha256("\n".join(topics).encode()).hexdigest(),
                 "instruction_types": [list(t) for t in types],
-                "chat_template_sha256": hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest() if tokenizer is not None else None}
+                "chat_template_sha256": (hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest()
+                                         if tokenizer is not None else None)}
     settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     folder = Path(out_dir) if out_dir is not None else cache_dir() / "selfgen"
     path = folder / f"{weights_sha[:16]}-{settings_sha[:16]}.jsonl"

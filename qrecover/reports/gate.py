@@ -85,7 +85,8 @@ def _rows(report: Any) -> tuple[list[dict], list[str]]:
             ok = isinstance(c, Mapping) and isinstance(c.get("ratio"), (int, float)) and not isinstance(c.get("ratio"), bool)
             se = c.get("ratio_stderr") if isinstance(c, Mapping) else None
             if not ok or not (se is None or isinstance(se, (int, float))):
-                raise QRecoverError(f"report row {i} ({r.get('label')}) cell {name!r} is malformed: expected numeric 'ratio' and 'ratio_stderr' (or null)")
+                raise QRecoverError(f"report row {i} ({r.get('label')}) cell {name!r} is malformed: expected numeric 'ratio' and 'ratio_stderr' (or "
+                                    "null)")
     return rows, list(report["metrics"])
 
 

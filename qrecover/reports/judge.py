@@ -72,7 +72,9 @@ SYSTEM_PROMPT = (
     "You are a careful, impartial judge of AI assistants. You compare two responses to the same instruction "
     "and select the one a thoughtful human would prefer."
 )
-USER_TEMPLATE = """Select the output that best follows the instruction. Judge helpfulness, accuracy, relevance, depth and clarity, as a thoughtful human would. The outputs appear in random order; neither their order nor their length alone should decide.
+# (the backslash at the end of its first line joins the first paragraph into one line: the text is unchanged)
+USER_TEMPLATE = """Select the output that best follows the instruction. Judge helpfulness, accuracy, relevance, depth and clarity, \
+as a thoughtful human would. The outputs appear in random order; neither their order nor their length alone should decide.
 
 # Instruction
 

@@ -34,7 +34,6 @@ from .table import RATIO_NOTE, UNINFORMATIVE_RULE, Row, metric_names
 
 REPORT_VERSION = 1
 MARK = "†"  # flags an uninformative metric in the tables
-FILES = ("report.md", "report.json", "report.html")
 
 
 def report_dict(rows: Sequence[Row], baseline: Results) -> dict[str, Any]:

@@ -38,10 +38,12 @@ class PalettizeConfig:
     group_size: int = doc_field(16, "output rows that share one look-up table (AFM: 16)")
     block_size: int | None = doc_field(None, "input columns per table; None shares one table across the whole row")
     weighted: bool = doc_field(True, "weight the k-means objective per element (see weighting)")
-    weighting: str = doc_field("input", "'input': weight E[x_j^2]**p; 'fisher': (g_i * E[x_j^2])**p with g_i the output-gradient moment (SqueezeLLM's diagonal Fisher; needs the backward calibration statistic out_grad_sq)")
+    weighting: str = doc_field("input", "'input': weight E[x_j^2]**p; 'fisher': (g_i * E[x_j^2])**p with g_i the output-gradient moment "
+                                        "(SqueezeLLM's diagonal Fisher; needs the backward calibration statistic out_grad_sq)")
     iters: int = doc_field(30, "Lloyd iterations (stops earlier once no assignment changes)")
     importance_power: float = doc_field(0.5, "k-means weight = importance**power; 0.5 measured best on true output error (1 over-fits the diagonal)")
-    error_feedback: bool = doc_field(True, "after fitting the tables, assign codes column by column with GPTQ error feedback (needs the input Hessian)")
+    error_feedback: bool = doc_field(True, "after fitting the tables, assign codes column by column with GPTQ error feedback (needs the input "
+                                           "Hessian)")
 
 
 WEIGHTINGS = ("input", "fisher")
