@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import QRecoverError
-from .schemes.base import doc_field
+from .fields import DictConfig, doc_field
 
 
 @dataclass
-class CompressConfig:
+class CompressConfig(DictConfig):
+    what = "compress config"
+
     model: str | None = doc_field(None, "Hugging Face causal-LM directory or .gguf file; None = the built-in default model")
     bpw: float | None = doc_field(3.7, "bits-per-weight budget, measured from packed bytes; None = uniform at the single width in `bits`")
     scope: str = doc_field("model", "what the budget counts: 'model' (every weight, embedding included) or 'linear' (decoder linear layers only)")
@@ -63,20 +63,6 @@ class CompressConfig:
         for name in ("calib_samples", "seq_len"):
             if getattr(self, name) <= 0:
                 raise QRecoverError(f"{name}={getattr(self, name)} must be positive")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CompressConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise QRecoverError(f"unknown compress config key(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
 
 
 __all__ = ["CompressConfig"]

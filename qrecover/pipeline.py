@@ -56,6 +56,7 @@ from .api import compress, prepare
 from .config import CompressConfig
 from .data import source_files
 from .errors import QRecoverError
+from .fields import doc_field
 from .io_utils import read_toml, sha256_file, sha256_files, toml_value, write_bytes_atomic, write_text_atomic
 from .models import DEFAULT_MODEL, resolve, weights_sha256
 from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
@@ -65,7 +66,6 @@ from .reports.eval import EvalConfig, check_tasks, evaluate, save_results
 from .reports.render import write_report
 from .reports.results import load_results
 from .reports.table import normalise
-from .schemes.base import doc_field
 
 STAGE_FILE = "stage.json"
 REPORT_FILES = ("report.md", "report.json", "report.html")

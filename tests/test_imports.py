@@ -114,3 +114,20 @@ def test_cycle_finder_finds_a_planted_cycle():
     g = {"qrecover.a": {"qrecover.b"}, "qrecover.b": {"qrecover.c"}, "qrecover.c": {"qrecover.a"}, "qrecover.d": set()}
     assert find_cycle(g) == ["qrecover.a", "qrecover.b", "qrecover.c", "qrecover.a"]
     assert find_cycle({"qrecover.a": {"qrecover.b"}, "qrecover.b": set()}) is None
+
+
+def test_configs_round_trip_and_refuse_unknown_keys():
+    """One to/from-dict implementation (qrecover.fields.DictConfig) serves every config: a dict round trip is
+    the identity and an unknown key is named in the error."""
+    import pytest
+
+    from qrecover.config import CompressConfig
+    from qrecover.errors import QRecoverError
+    from qrecover.recovery.config import RecoverConfig
+
+    for cls, change, what in ((CompressConfig, {"bpw": 3.5, "bits": [2, 4]}, "compress config"),
+                              (RecoverConfig, {"rank": 8, "lr": 1e-3}, "recover config")):
+        cfg = cls.from_dict({**cls().to_dict(), **change})
+        assert cls.from_dict(cfg.to_dict()) == cfg and all(getattr(cfg, k) == v for k, v in change.items())
+        with pytest.raises(QRecoverError, match=rf"unknown {what} key\(s\) \['bogus'\]"):
+            cls.from_dict({"bogus": 1})

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QRecoverError
-from ..schemes.base import doc_field
+from ..fields import DictConfig, doc_field
 
 OBJECTIVES = ("ce", "kd", "mix")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -16,7 +14,9 @@ INITS = ("svd", "zero")
 
 
 @dataclass
-class RecoverConfig:
+class RecoverConfig(DictConfig):
+    what = "recover config"
+
     rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)")
     alpha: float | None = doc_field(None, "LoRA alpha; None = 2 x rank (scaling 2)")
     init: str = doc_field("svd", "'svd': B A starts as the rank-r approximation of the quantization error W - Q(W), weighted by the "
@@ -90,17 +90,3 @@ class RecoverConfig:
     def default(cls, name: str) -> Any:
         """The default of field ``name`` (the CLI's defaults are these, so the two never drift apart)."""
         return cls.__dataclass_fields__[name].default
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RecoverConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise QRecoverError(f"unknown recover config key(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)

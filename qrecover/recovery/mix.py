@@ -50,9 +50,9 @@ import torch
 
 from ..data import SPLITS, source_files
 from ..errors import QRecoverError
+from ..fields import doc_field
 from ..io_utils import cache_dir, read_toml, sha256_file, toml_value, write_text_atomic
 from ..progress import steps
-from ..schemes.base import doc_field
 from .chat import IGNORE, encode_chat
 from .decontam import SourceReport, Verdict, build_index, check_document, remove
 from .documents import (

@@ -44,7 +44,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from ..api import load_any, perplexity
 from ..benchdata import DATA, data_file
 from ..checkpoint import MANIFEST
 from ..errors import QRecoverError
+from ..fields import doc_field
 from ..io_utils import atomic_file, cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, resolve, weights_sha256
 from . import ifeval_offline
@@ -72,24 +73,20 @@ MMLU_SELECTION = ("round-robin over subjects: the 57 subjects, and the questions
                   "subject, ...; a limit N scores the first N")
 
 
-def _doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - the help text lives with the field, as in peft
-    return field(default=default, metadata={"help": help}, **kw)
-
-
 @dataclass
 class EvalConfig:
-    model: str | None = _doc(None, "model to evaluate: qrecover checkpoint, HF directory or .gguf; None = the built-in default")
-    adapter: str | None = _doc(None, "recovery adapter directory (PEFT layout) applied to the checkpoint")
-    tasks: list[str] = _doc(None, f"task names; default {DEFAULT_TASKS} (see the module docstring)")
-    limit: int | None = _doc(None, "score only the first N items of each benchmark (MMLU: N questions round-robin over subjects)")
-    batch_size: int = _doc(4, "lm-eval batch size (generation pads on the left; recorded, as it can change greedy outputs)")
-    max_gen_toks: int | None = _doc(None, f"generation length for generative tasks; None = per task {MAX_GEN_TOKS}")
-    ppl_data: str = _doc("python-docs", "text source of perplexity and KL (its held-out 'eval' split)")
-    windows: int = _doc(32, "perplexity/KL windows")
-    seq_len: int = _doc(512, "tokens per perplexity/KL window")
-    reference: str | None = _doc(None, "unquantized model for kl/mmlu_flips; default: the checkpoint manifest's source")
-    judge_url: str | None = _doc(None, "OpenAI-compatible judge endpoint; alpacaeval runs only with it")
-    judge_model: str | None = _doc(None, "judge model name at judge_url")
+    model: str | None = doc_field(None, "model to evaluate: qrecover checkpoint, HF directory or .gguf; None = the built-in default")
+    adapter: str | None = doc_field(None, "recovery adapter directory (PEFT layout) applied to the checkpoint")
+    tasks: list[str] = doc_field(None, f"task names; default {DEFAULT_TASKS} (see the module docstring)")
+    limit: int | None = doc_field(None, "score only the first N items of each benchmark (MMLU: N questions round-robin over subjects)")
+    batch_size: int = doc_field(4, "lm-eval batch size (generation pads on the left; recorded, as it can change greedy outputs)")
+    max_gen_toks: int | None = doc_field(None, f"generation length for generative tasks; None = per task {MAX_GEN_TOKS}")
+    ppl_data: str = doc_field("python-docs", "text source of perplexity and KL (its held-out 'eval' split)")
+    windows: int = doc_field(32, "perplexity/KL windows")
+    seq_len: int = doc_field(512, "tokens per perplexity/KL window")
+    reference: str | None = doc_field(None, "unquantized model for kl/mmlu_flips; default: the checkpoint manifest's source")
+    judge_url: str | None = doc_field(None, "OpenAI-compatible judge endpoint; alpacaeval runs only with it")
+    judge_model: str | None = doc_field(None, "judge model name at judge_url")
 
     def __post_init__(self) -> None:
         if self.tasks is None:

@@ -8,12 +8,13 @@ statistics it needs, and ``quantize(weight, bits, stats) -> QuantizedWeight``. I
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..errors import QRecoverError
+from ..fields import doc_field  # noqa: F401  (re-exported: schemes declare their config fields with it)
 
 #: statistics a quantizer may ask calibration for (per linear layer, over calibration tokens)
 #: - ``input_sq``: ``(in_features,)`` mean of x_j**2, the per-input-channel importance
@@ -125,8 +126,3 @@ def get_quantizer(name: str, **params: Any) -> Quantizer:
     if unknown:
         raise QRecoverError(f"scheme {name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(known)}")
     return cls(cls.Config(**params))
-
-
-def doc_field(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors peft's field(metadata={"help"})
-    """A dataclass field with its help text, as peft declares its config fields."""
-    return field(default=default, metadata={"help": help}, **kw)
