@@ -15,13 +15,13 @@ from safetensors import safe_open
 
 from ._version import __version__
 from .allocate import Choice
-from .calibrate import progress
 from .checkpoint import FORMAT_VERSION, read_manifest
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
 from .io_utils import sha256_file
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve
+from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
 from .schemes import QuantizedWeight

@@ -18,23 +18,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from rich.progress import Progress
 
 from .models import decoder_layers, linear_layers, module_name
+from .progress import progress
 
 
 class _Stop(Exception):
     pass
-
-
-def progress() -> Progress:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), transient=False, console=Console(stderr=True),  # stderr: `--json` stdout stays clean
-    )
 
 
 def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True,
@@ -251,6 +241,32 @@ def xtx(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     contribution)."""
     x = x.to(dtype)
     return (x.T @ x).double()
+
+
+@torch.no_grad()
+def input_moments(model: nn.Module, modules: dict[str, nn.Module], windows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{name: E[x x^T] (in, in)}``, float64 on the CPU, of the inputs of each of ``modules`` (modules inside
+    ``model``) over every token of ``windows (n, seq_len)`` run through ``model`` as it is (one window at a time;
+    for whole-model passes such as the adapters' svd init and the merge statistics)."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(name: str):
+        def fn(_mod, inputs, _out):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+            sums[name] = sums.get(name, 0) + xtx(x)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return fn
+
+    device = next(model.parameters()).device
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    try:
+        for w in windows:
+            model(input_ids=w.unsqueeze(0).to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (sums[n] / counts[n]).cpu() for n in modules}
 
 
 def linear_groups(layer: nn.Module, x: torch.Tensor, kw: dict, linears: dict[str, nn.Module]) -> list[list[str]]:

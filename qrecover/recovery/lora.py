@@ -36,6 +36,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..calibrate import input_moments
 from ..checkpoint import read_manifest
 from ..errors import QRecoverError
 from ..io_utils import read_json, sha256_file
@@ -131,32 +132,14 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     if missing:
         raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
                             "was compressed from; use --init zero")
-    grams: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(name):
-        def fn(_mod, inputs, _out):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-            grams[name] = grams.get(name, 0) + x.T @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
-        return fn
-
-    device = next(teacher.parameters()).device
-    handles = [modules[n].register_forward_hook(hook(n)) for n in layers]
-    try:
-        with torch.no_grad():
-            for w in windows:
-                teacher(input_ids=w.unsqueeze(0).to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    grams = input_moments(teacher, {n: modules[n] for n in layers}, windows)
     captured, before, after = {}, 0.0, 0.0
     with torch.no_grad():
         for n, mod in layers.items():
             a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
             scaling = mod.scaling["default"]
             error = modules[n].weight.detach().double().cpu() - mod.base_layer.weight.detach().double().cpu()
-            gram = grams[n].cpu() / counts[n]
+            gram = grams[n]
             b, a = lowrank_correction(error, gram, a_w.shape[0], scaling, damp)
             b_w.copy_(b.to(b_w))
             a_w.copy_(a.to(a_w))

@@ -30,6 +30,7 @@ from peft.tuners.lora import LoraConfig
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
+from ..calibrate import input_moments
 from ..errors import QRecoverError
 from ..qlinear import QuantLinear
 from ..schemes import QuantizedWeight, get_quantizer
@@ -163,27 +164,9 @@ def collect_merge_stats(peft_model: nn.Module, windows: torch.Tensor) -> int:
     token ids, run through ``peft_model`` as it is (adapters active): ``input_sq (in,)`` = mean of ``x_j^2`` and
     ``hessian (in, in)`` = mean of ``x x^T``, over every token (accumulated in float64). Returns the layer count."""
     layers = [m for m in peft_model.modules() if isinstance(m, QuantLoraLinear)]
-    sums: dict[int, torch.Tensor] = {}
-    counts: dict[int, int] = {}
-
-    def hook(i: int):
-        def fn(_mod, inputs, _out):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-            sums[i] = sums.get(i, 0) + x.T @ x
-            counts[i] = counts.get(i, 0) + x.shape[0]
-        return fn
-
-    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
-    device = next(peft_model.parameters()).device
-    try:
-        with torch.no_grad():
-            for w in windows:
-                peft_model(input_ids=w.unsqueeze(0).to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    moments = input_moments(peft_model, {str(i): m for i, m in enumerate(layers)}, windows)
     for i, m in enumerate(layers):
-        h = (sums[i] / counts[i]).float().cpu()
+        h = moments[str(i)].float()
         m.merge_stats = {"hessian": h, "input_sq": h.diagonal().clone()}
     return len(layers)
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..calibrate import capture_inputs, gradient_stats, layer_stats, progress
+from ..calibrate import capture_inputs, gradient_stats, layer_stats
 from ..models import decoder_layers, linear_layers, module_name
+from ..progress import progress
 from .specs import Encoding
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups, progress
+from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
 from ..models import decoder_layers, linear_layers, module_name
+from ..progress import progress
 from ..schemes import QuantizedWeight
 from ..sensitivity import linear_damage
 from .candidates import quantize_unit

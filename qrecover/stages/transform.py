@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..calibrate import capture_inputs, forward_layer, progress
+from ..calibrate import capture_inputs, forward_layer
 from ..models import decoder_layers
+from ..progress import progress
 from ..schemes import get_quantizer
 from ..transforms import get_transform
 from .specs import Encoding
