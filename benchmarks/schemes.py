@@ -70,6 +70,8 @@ ROWS: dict[str, dict] = {
     "awq+gptq-w4g64": {"kind": "qrecover", "encodings": "awq+gptq:4/g64/asym"},
     "awq-w3g64": {"kind": "qrecover", "encodings": "awq+blockwise:3/b64/asym"},
     "llmc-awq-w3g64": {"kind": "llmc", "method": "awq", "bits": 3, "group": 64},
+    "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
+    "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
 }
 
 
@@ -196,7 +198,8 @@ def llmc_worker(settings: str, windows_path: str, out_path: str) -> None:
     weights = {"num_bits": s["bits"], "type": "int", "symmetric": False, "strategy": "group", "group_size": s["group"]}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
     if s["method"] == "gptq":
-        recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01)]
+        recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
+                                actorder=s.get("actorder"))]  # None: no act order, as qrecover's gptq default
     else:
         recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     t = time.time()
