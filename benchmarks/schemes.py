@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,12 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[int, str, str, f
     t = time.time()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env)
-        _, status, usage = os.wait4(p.pid, 0)
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        except BaseException:  # Ctrl-C or SIGTERM (see main): never leave an orphan compress running
+            p.kill()
+            p.wait()
+            raise
         p.returncode = os.waitstatus_to_exitcode(status)
         wall = time.time() - t
         out.seek(0)
@@ -293,6 +299,7 @@ def main() -> None:
     ap.add_argument("--llmc-worker", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--ppl-with", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_child's cleanup runs on `kill`
     if args.llmc_worker:
         return llmc_worker(*args.llmc_worker)
     if args.ppl_with:
