@@ -80,6 +80,7 @@ ROWS: dict[str, dict] = {
 NOT_RUN = {
     "llmc-gptq-w4g64": "started, stopped for time: llm-compressor's sequential GPTQ ran ~65 s per decoder layer here "
                        "(9 of 30 layers in 10.3 min CPU), projected ~33 min, vs 15.7 min for qrecover's whole gptq row",
+    "rtn-w3g64": "started, stopped at the helper's deadline",
 }
 
 
