@@ -8,7 +8,9 @@ its own (``os.wait4`` rusage of the child):
   several plus ``--bpw`` = a whole-model allocation), then ``qrecover ppl DIR --json`` (README protocol: 32 windows
   x 512 tokens of the python-docs eval split). bpw (model and linear) come from the manifest's measured_bpw.
 - llm-compressor rows: this file re-runs itself under the llm-compressor venv (``--llmc-python``, default
-  /work/wt/llmc-venv/bin/python; the row is skipped with a note when it or ``llmcompressor`` is missing) with
+  ``$QRECOVER_LLMC_PYTHON`` or ``venv-llmc/bin/python``; make it with ``python3 -m venv venv-llmc &&
+  venv-llmc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1``: it pins transformers<=5.17, so it cannot
+  share qrecover's venv; the row is skipped with a note when it or ``llmcompressor`` is missing) with
   ``--llmc-worker``: ``oneshot`` with GPTQModifier (or AWQModifier + QuantizationModifier) on Linear layers except
   lm_head, int asymmetric groups, calibrated on *qrecover's own* calibration token windows (dumped by this script
   from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights with
@@ -46,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / "out" / "schemes"
 MODEL_DIR = Path("~/.cache/qrecover/models/smollm2-135m-instruct").expanduser()
-LLMC_PY = "/work/wt/llmc-venv/bin/python"
+LLMC_PY = os.environ.get("QRECOVER_LLMC_PYTHON", "venv-llmc/bin/python")
 MIXED = "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64"
 
 # name -> settings. kind "qrecover": compress args; kind "llmc": llm-compressor modifier and quant args.
