@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qrecover import api  # noqa: E402
+from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
@@ -63,7 +64,7 @@ def main() -> None:
             api.compress(CompressConfig(bpw=None, bits=[4], embedding_bits="8", calib_samples=8, **spec), out=ckpt,
                          show_progress=False)
             print(f"compressed {label} in {time.time() - t:.0f} s", flush=True)
-        manifest = api.read_manifest(ckpt)
+        manifest = read_manifest(ckpt)
         model, tok, _ = api.load_any(str(ckpt))
         base_ppl = ppl(model, tok)
         del model

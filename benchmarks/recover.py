@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qrecover import api  # noqa: E402
+from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.io_utils import sha256_file  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
@@ -62,7 +63,7 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
         cfg = CompressConfig(bpw=bpw)
-        if (d / "qrecover.json").exists() and api.read_manifest(d)["config"] == cfg.to_dict():
+        if (d / "qrecover.json").exists() and read_manifest(d)["config"] == cfg.to_dict():
             paths[bpw] = d
         else:
             todo.append((bpw, d, cfg))
@@ -182,7 +183,7 @@ def main() -> None:
 
         name = run_name(run)
         key = {"config": cfg.to_dict(), "milestones": milestones, "windows": windows, "mix_sha256": mix_sha,
-               "checkpoint": api.read_manifest(ckpts[b])["weights_file"]["sha256"]}
+               "checkpoint": read_manifest(ckpts[b])["weights_file"]["sha256"]}
         done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
         if done.is_file() and json.loads(done.read_text())["key"] == key:
             rows.append(json.loads(done.read_text())["row"])

@@ -11,20 +11,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
 from ._version import __version__
 from .allocate import Choice
-from .checkpoint import FORMAT_VERSION, read_manifest
+from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
-from .io_utils import sha256_file
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
-from .schemes import QuantizedWeight
 from .sensitivity import METHOD, linear_damage, lookup_damage
 from .stages.allocation import Budget, Infeasible, choose
 from .stages.calibrate import gradients, layer_pass, plan_stats
@@ -384,24 +381,11 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    manifest = read_manifest(path)
-    weights = path / manifest["weights_file"]["name"]
-    if not weights.exists():
-        raise QRecoverError(f"{weights} is missing; the checkpoint is incomplete, compress again")
-    if verify:
-        digest = sha256_file(weights)
-        if digest != manifest["weights_file"]["sha256"]:
-            raise QRecoverError(
-                f"{weights} has sha256 {digest[:16]}..., the manifest says {manifest['weights_file']['sha256'][:16]}...: "
-                "the weights were changed or corrupted after compression; compress again"
-            )
+    manifest, packed, state = read_packed(path, verify)
     config = AutoConfig.from_pretrained(path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with safe_open(str(weights), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
     for name, info in manifest["layers"].items():
-        qw = QuantizedWeight(info["scheme"], info["bits"], tuple(info["shape"]), info["params"],
-                             {t: state.pop(f"{name}.{t}") for t in info["tensors"]})
+        qw = packed[name]
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)

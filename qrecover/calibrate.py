@@ -201,18 +201,18 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
-def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device | str = "cpu"
+def capture_inputs(model: nn.Module, windows: torch.Tensor, device: torch.device | str = "cpu", layer: int = 0
                    ) -> tuple[list[torch.Tensor], list[dict]]:
-    """The first decoder layer's inputs for every window: ``(hidden states [(1, seq, hidden)], kwargs)``,
-    moved to ``device``. Runs the model (on its own device) only up to the first decoder layer."""
+    """Decoder layer ``layer``'s inputs for every window: ``(hidden states [(1, seq, hidden)], kwargs)``,
+    moved to ``device``. Runs the model (on its own device) only up to that layer."""
     layers = decoder_layers(model)
     captured: list[tuple[tuple, dict]] = []
 
     def catch(_m, args, kwargs):
-        captured.append((args, kwargs))
+        captured.append((args, dict(kwargs)))
         raise _Stop
 
-    h = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    h = layers[layer].register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
             for w in windows:

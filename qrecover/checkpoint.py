@@ -11,7 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+
 from .errors import QRecoverError
+from .io_utils import sha256_file
+from .schemes.base import QuantizedWeight
 
 FORMAT_VERSION = 1
 MANIFEST = "qrecover.json"  # the manifest: how to load the checkpoint, its source, budget, per-layer encodings
@@ -37,4 +42,26 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "WEIGHTS", "read_manifest"]
+def read_packed(path: str | Path, verify: bool = True
+                ) -> tuple[dict[str, Any], dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """``(manifest, packed layers by name, every other tensor by name)`` of the checkpoint ``path``. ``verify``
+    checks the weights file against the manifest's sha256 (a changed or corrupted file is refused)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    weights = path / manifest["weights_file"]["name"]
+    if not weights.is_file():
+        raise QRecoverError(f"{weights} is missing; the checkpoint is incomplete, compress again")
+    if verify:
+        digest, want = sha256_file(weights), manifest["weights_file"]["sha256"]
+        if digest != want:
+            raise QRecoverError(f"{weights} has sha256 {digest[:16]}..., the manifest says {want[:16]}...: the weights "
+                                "were changed or corrupted after compression; compress again")
+    with safe_open(str(weights), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    layers = {name: QuantizedWeight(info["scheme"], info["bits"], tuple(info["shape"]), info["params"],
+                                    {t: state.pop(f"{name}.{t}") for t in info["tensors"]})
+              for name, info in manifest["layers"].items()}
+    return manifest, layers, state
+
+
+__all__ = ["FORMAT_VERSION", "MANIFEST", "WEIGHTS", "read_manifest", "read_packed"]

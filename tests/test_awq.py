@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from qrecover.calibrate import capture_inputs
 from qrecover.errors import QRecoverError
 from qrecover.models import decoder_layers
 from qrecover.schemes import get_quantizer
@@ -103,29 +104,9 @@ def tiny_model(arch: str, seed: int = 0) -> nn.Module:
     return model
 
 
-class _Stop(Exception):
-    pass
-
-
 def layer_inputs(model: nn.Module, windows: torch.Tensor, i: int):
     """The hidden states and keyword arguments decoder layer ``i`` is called with, one per window."""
-    captured = []
-
-    def catch(_m, args, kwargs):
-        captured.append((args, dict(kwargs)))
-        raise _Stop
-
-    h = decoder_layers(model)[i].register_forward_pre_hook(catch, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for w in windows:
-                try:
-                    model(input_ids=w.unsqueeze(0), use_cache=False)
-                except _Stop:
-                    pass
-    finally:
-        h.remove()
-    return [a[0] if a else kw.pop("hidden_states") for a, kw in captured], [kw for _, kw in captured]
+    return capture_inputs(model, windows, layer=i)
 
 
 def windows(n: int = 4, seq: int = 24, seed: int = 1) -> torch.Tensor:

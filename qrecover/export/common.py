@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from ..checkpoint import read_manifest
+from ..checkpoint import read_packed
 from ..errors import QRecoverError
 from ..io_utils import sha256_file
 from ..packing import unpack
@@ -67,19 +66,7 @@ class Checkpoint:
 def read_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint's layers and remaining tensors, its weights file verified against the manifest's sha256."""
     path = Path(path)
-    manifest = read_manifest(path)
-    weights = path / manifest["weights_file"]["name"]
-    if not weights.is_file():
-        raise QRecoverError(f"{weights} is missing; the checkpoint is incomplete, compress again")
-    if sha256_file(weights) != manifest["weights_file"]["sha256"]:
-        raise QRecoverError(f"{weights} does not match the sha256 in its manifest: the checkpoint was changed or "
-                            "corrupted after compression; compress again")
-    with safe_open(str(weights), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    layers = {}
-    for name, info in manifest["layers"].items():
-        layers[name] = QuantizedWeight(info["scheme"], info["bits"], tuple(info["shape"]), info["params"],
-                                       {t: state.pop(f"{name}.{t}") for t in info["tensors"]})
+    manifest, layers, state = read_packed(path)
     return Checkpoint(path, manifest, layers, state)
 
 
