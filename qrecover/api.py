@@ -96,7 +96,6 @@ class Prepared:
     windows: torch.Tensor | None = None
     grads: dict[str, Any] | None = None
     transforms: dict[str, Any] | None = None
-    stats_plan: Any = None
 
 
 def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
@@ -173,7 +172,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
                    "device": str(device)}
     params = {"model": count_parameters(model), "linear": sum(m.weight.numel() for m in linears.values())}
     return Prepared(cfg, model, tok, source, params, units, remainder, head_name, calibration, time.time() - t0,
-                    windows=windows, grads=grads, transforms=tinfo, stats_plan=plan)
+                    windows=windows, grads=grads, transforms=tinfo)
 
 
 _SAME = ("model", "calib_data", "calib_samples", "seq_len")
