@@ -90,8 +90,10 @@ def recover(
                         "bpw_cost": meta["bpw_cost"], "tokens": meta["training"]["tokens"],
                         "final_loss": meta["training"]["final_loss"], "tok_per_s": meta["training"]["tok_per_s"],
                         "seconds": meta["training"]["seconds"]})
+    if not results:  # a non-main process of a distributed run: the main one reports
+        return
     if json_out:
-        emit_json(results if ranks else (results[0] if results else {}))
+        emit_json(results if ranks else results[0])
         return
     from rich.markup import escape
 

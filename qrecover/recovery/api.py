@@ -40,7 +40,7 @@ from ..recipes import DEFAULT_MIX, shipped_path
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
 from .mix import Mix, MixLoader, load_mix, single_source_mix
-from .train import CHECKPOINTS, latest_checkpoint, total_steps, train
+from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation
 RUN_FILE = "run.json"
@@ -89,19 +89,31 @@ def _check_out(out: Path, overwrite: bool, resume: bool) -> None:
 @contextlib.contextmanager
 def _run_dir(out: Path, overwrite: bool, resume: bool) -> Iterator[None]:
     """``out`` ready for a run; on any failure (Ctrl-C included) the half-written export goes, and so does
-    ``out`` itself when this call created it and no resumable checkpoint was written."""
+    ``out`` itself when this call created it and no resumable checkpoint was written.
+
+    Under ``accelerate launch``/``torchrun`` every process checks ``out`` before the main one (rank 0, on the
+    shared filesystem) changes anything; only the main process creates, clears or writes there."""
+    procs = process_state()  # joins the process group of a distributed launch; one process otherwise
     _check_out(out, overwrite, resume)
     created = overwrite or not out.exists()
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    procs.wait_for_everyone()
+    if procs.is_main_process:
+        if out.exists() and overwrite:
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+    procs.wait_for_everyone()
     try:
         yield
     except BaseException:
-        shutil.rmtree(out / EXPORT, ignore_errors=True)
-        if created and latest_checkpoint(out) is None:
-            shutil.rmtree(out, ignore_errors=True)
+        if procs.is_main_process:
+            shutil.rmtree(out / EXPORT, ignore_errors=True)
+            if created and latest_checkpoint(out) is None:
+                shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def _is_main_process() -> bool:
+    return process_state().is_main_process
 
 
 def _check_teacher_source(manifest: dict[str, Any], why: str) -> None:
@@ -217,8 +229,9 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     elif teacher is None and any(s.kind == "selfgen" and not s.model for s in mix.sources):
         _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
     with _run_dir(out, overwrite, resume):
-        _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
-                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        if _is_main_process():
+            _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),
+                                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
         model = load(checkpoint, cache=cfg.cache_dequantized)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         manifest = model.qrecover_manifest
@@ -229,7 +242,7 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
             teacher = load_teacher(manifest)
         # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
         init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = process_state().num_processes
         generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
         loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, mix,
                               generator=generator, show_progress=show_progress)
@@ -284,10 +297,11 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
     with _run_dir(out, overwrite, resume):
         peft_model = init_feature_model(checkpoint, init_adapter, allow_foreign_adapter, cfg.cache_dequantized)
         cfg = RecoverConfig.from_dict({**cfg.to_dict(), "rank": peft_model.peft_config["default"].r})
-        _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint),
-                                     "init_adapter": str(init_adapter), "config": cfg.to_dict()})
+        if _is_main_process():
+            _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint),
+                                         "init_adapter": str(init_adapter), "config": cfg.to_dict()})
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = process_state().num_processes
         loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, mix,
                               show_progress=show_progress)
         summary = train(peft_model, cfg, loader, out, resume=resume, show_progress=show_progress, description="finetune")

@@ -4,6 +4,20 @@ Scaling is accelerate's: ``qrecover recover ...`` runs on one process; ``acceler
 recover ...`` (or ``torchrun``) runs data parallel, each process taking every ``world``-th sequence of the same
 deterministic data stream. Only the LoRA weights train; the packed base weights are buffers and never change.
 
+**Global batch.** An optimizer step takes ``batch_size * grad_accum * world`` sequences (the global batch) and
+its loss is the mean over every loss-carrying token of them (each micro-batch's mean weighted by its share of
+the step's tokens, counted across processes), so the same global batch gives the same adapter whatever the
+split into processes, micro-batches and accumulation (tested: 2 processes on CPU vs 1, to float tolerance).
+Data order is world-independent: global sequence ``i`` of a step goes to process ``i % world``, and the data
+position a checkpoint records is global. Hence a run may resume on another number of processes when
+``batch_size * grad_accum * world`` is unchanged (e.g. 2 processes x batch 2 -> 1 process x batch 4, or
+x grad_accum 2); every other setting that defines the run must be the same (:func:`check_resume`).
+
+**RNG.** Every process seeds ``seed + rank``; a checkpoint holds the main process's RNG state, which a resumed
+run's main process restores (the others reseed from ``(seed, rank, step)``). Nothing in training draws random
+numbers unless ``dropout > 0`` (off by default); with dropout, masks differ between world sizes, so only
+dropout-free runs are equal across them.
+
 Resumability: every ``checkpoint_every`` optimizer steps the main process writes ``checkpoints/step-N.pt``
 (adapter weights in fp32, optimizer, scheduler, step, tokens, the data loader's exact position and every RNG
 state) atomically. ``resume=True`` continues from the newest one, and the run ends where an uninterrupted run
@@ -66,6 +80,21 @@ def mixed_precision(cfg: RecoverConfig) -> str:
     if cfg.precision == "auto":
         return "bf16" if native_bf16() else "no"
     return "bf16" if cfg.precision == "bf16" else "no"
+
+
+def cpu_only() -> bool:
+    """No accelerator device (GPU, XPU, MPS...) in this process. accelerate then needs ``cpu=True`` to join the
+    process group of ``torchrun`` or ``accelerate launch`` (gloo): without it every process of a CPU launch
+    would train alone, on all the data (measured: accelerate 1.15 reports 1 process of 1 under torchrun)."""
+    has = getattr(torch, "accelerator", None)
+    return not (has.is_available() if has is not None else torch.cuda.is_available())
+
+
+def process_state() -> Any:
+    """accelerate's view of this launch (rank, world, barriers), joining its process group if it has one."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=cpu_only())
 
 
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,6 +171,58 @@ def _progress(show: bool):
                     TextColumn("loss {task.fields[loss]:.4f}"), disable=not show)
 
 
+# Settings that only say how a step is executed (not what it computes): a resumed run may change them, the split of the
+# global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
+EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "gradient_checkpointing", "cache_dequantized")
+
+
+def checkpoint_world(state: dict[str, Any]) -> int:
+    """The number of processes that wrote a checkpoint (recorded since world-size resume; older ones: derived
+    from their token count, ``tokens = step * batch_size * grad_accum * seq_len * world``)."""
+    if "world" in state:
+        return int(state["world"])
+    c = state["config"]
+    per_step = c["batch_size"] * c["grad_accum"] * c["seq_len"]
+    return max(1, state["tokens"] // max(1, state["step"] * per_step))
+
+
+def check_resume(saved: dict[str, Any], saved_world: int, cfg: RecoverConfig, world: int, where: Any) -> None:
+    """Refuse to resume a run whose defining settings changed. ``batch_size``, ``grad_accum`` and the number of
+    processes may differ when the global batch ``batch_size * grad_accum * world`` is the same."""
+    now = cfg.to_dict()
+    diff = {k: (saved.get(k), v) for k, v in now.items() if k not in EXECUTION_FIELDS and saved.get(k) != v}
+    if diff:
+        raise QRecoverError(f"cannot resume {where}: it was started with different settings {diff} "
+                            "(checkpoint value, new value); rerun with the original settings or --overwrite")
+    was = saved["batch_size"] * saved["grad_accum"] * saved_world
+    if was != cfg.batch_size * cfg.grad_accum * world:
+        raise QRecoverError(
+            f"cannot resume {where}: its global batch was {was} sequences per step (batch_size {saved['batch_size']} x "
+            f"grad_accum {saved['grad_accum']} x {saved_world} processes), now it would be "
+            f"{cfg.batch_size * cfg.grad_accum * world} (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x "
+            f"{world} processes); choose --batch-size and --grad-accum with batch_size x grad_accum x processes = {was}, "
+            "or --overwrite")
+
+
+def _loss_weights(micro: list[tuple[torch.Tensor, torch.Tensor]], accelerator: Any) -> list[float]:
+    """Per micro-batch, the factor on its mean loss that makes the step's gradient the mean over every loss token of
+    the global batch: ``n_i * world / N`` (``n_i`` its predicted positions with a label, ``N`` the step's over all
+    processes; ``world`` because data parallelism averages the processes' gradients)."""
+    counts = [int((labels[:, 1:] != -100).sum()) for _, labels in micro]
+    total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=accelerator.device)
+    total = float(accelerator.reduce(total, "sum")) if accelerator.num_processes > 1 else float(total)
+    if total == 0:  # no label anywhere: every micro-batch loss is NaN and stops the run as before
+        return [1.0 / len(micro)] * len(micro)
+    return [n * accelerator.num_processes / total for n in counts]
+
+
+def _set_grad_sync(model: nn.Module, sync: bool) -> None:
+    """DDP: all-reduce gradients in this micro-batch's backward or not (what ``no_sync()`` sets, as a flag, so the
+    accumulation loop needs no context manager around its forward). Other wrappers sync every micro-batch."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model.require_backward_grad_sync = sync
+
+
 def _batches(stream: Iterator[dict[str, torch.Tensor]], batch_size: int, rank: int, world: int
              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batches ``(input_ids, labels)`` of shape ``(batch_size, seq_len)`` for this process.
@@ -166,14 +247,16 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     NaN: the model as initialised) and after every optimizer step (and checkpoint), with
     ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DistributedDataParallelKwargs
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     if cfg.objective != "ce" and teacher is None:
         raise QRecoverError(f"objective {cfg.objective!r} distils from the unquantized model, but none was given")
     # Autocast is ours rather than accelerate's: accelerate's mixed-precision setting is process-global and cannot
     # change between two runs in one process (the benchmark trains several); torch.autocast is the same thing.
-    accelerator = Accelerator(mixed_precision="no")
+    # DDP: the packed base weights are buffers, frozen and the same on every process (read from one checkpoint):
+    # not broadcast before every forward, which would send the whole base each micro-batch.
+    accelerator = Accelerator(mixed_precision="no", cpu=cpu_only(), kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
     precision = mixed_precision(cfg)
 
     def autocast():
@@ -201,14 +284,11 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     # --- resume: adapter, optimizer, scheduler, data position and RNG exactly as they were ----------------
     step, tokens, history = 0, 0, []
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed + rank)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt)
-        if state["config"] != cfg.to_dict():
-            diff = {k: (state["config"].get(k), v) for k, v in cfg.to_dict().items() if state["config"].get(k) != v}
-            raise QRecoverError(f"cannot resume {run_dir}: it was started with different settings {diff} "
-                                "(checkpoint value, new value); rerun with the original settings or --overwrite")
+        check_resume(state["config"], checkpoint_world(state), cfg, world, run_dir)
         unwrapped = accelerator.unwrap_model(model)
         missing = set(_trainable(unwrapped)) - set(state["adapter"])
         if missing:
@@ -221,8 +301,13 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         loader.load_state_dict(state["loader"])
         step, tokens, history = state["step"], state["tokens"], state["history"]
         _set_rng_state(state["rng"])
+        if rank > 0:
+            torch.manual_seed(hash((cfg.seed, rank, step)) % 2**63)
 
-    stream = _batches(iter(loader), cfg.batch_size, rank, world)
+    # a loader with batches(batch_size, rank, world) (sharded tokens) slices the global order itself; the mix
+    # stream is read whole by every process, each keeping its sequences (its state is then the global position)
+    stream = (loader.batches(cfg.batch_size, rank, world) if hasattr(loader, "batches")
+              else _batches(iter(loader), cfg.batch_size, rank, world))
     model.train()
     # The first micro-batch readies the data (scans, decontamination, self-generated chats; cached after one
     # run): timed apart, so tokens/s measures training alone. Taking it early does not move the data stream.
@@ -241,8 +326,10 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             # --- one optimizer step: grad_accum micro-batches ------------------------------------------
             t_step = time.perf_counter()
             step_loss = 0.0
-            for _ in range(cfg.grad_accum):
-                ids, labels = next(stream)
+            micro = [next(stream) for _ in range(cfg.grad_accum)]
+            weights = _loss_weights(micro, accelerator)
+            for i, (ids, labels) in enumerate(micro):
+                _set_grad_sync(model, i == len(micro) - 1)  # gradients all-reduced once per step
                 ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
                 teacher_logits = None
                 if teacher is not None and cfg.objective != "ce":
@@ -256,9 +343,9 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
                     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
                     raise NonFiniteLoss(f"training loss became {loss.item()} at step {step + 1}; stopped. {where}. "
                                         "Lower --lr (or raise --grad-accum) and rerun with --resume")
-                # each backward() sums gradients, so scale the loss to average over the micro-batches
-                accelerator.backward(loss / cfg.grad_accum)
-                step_loss += loss.item() / cfg.grad_accum
+                # each backward() sums gradients: weighted, the step's gradient is the global batch's token mean
+                accelerator.backward(loss * weights[i])
+                step_loss += loss.item() * weights[i]
             if cfg.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
@@ -276,7 +363,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             # --- checkpoint, then the caller's hook ----------------------------------------------------
             if accelerator.is_main_process and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == steps):
                 _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
-                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "step": step, "tokens": tokens, "history": history,
+                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "world": world, "step": step, "tokens": tokens,
+                    "history": history,
                     "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "loader": loader.state_dict(), "rng": _rng_state()})
