@@ -131,3 +131,16 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_ckp
     assert _losses(cut)[2:] == pytest.approx(_losses(two_process_run)[2:], rel=1e-4)
     report = json.loads((cut / "data_report.json").read_text())
     assert report["sequences"] == STEPS * GLOBAL  # every sequence of the run read exactly once
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_fsdp_and_deepspeed_launches_are_refused_with_the_reason(kind, tmp_path, monkeypatch):
+    """``accelerate launch --use_fsdp`` sets ACCELERATE_USE_FSDP: refused before accelerate builds its plugin (whose
+    own error on a machine without GPUs says nothing about why), before any data is read or anything written."""
+    from qrecover.recovery.train import train
+
+    monkeypatch.setenv(f"ACCELERATE_USE_{kind}", "true")
+    fix = "--no-cache-dequantized" if kind == "FSDP" else "torchrun"
+    with pytest.raises(QRecoverError, match=rf"{kind}.*not supported.*{fix}"):
+        train(torch.nn.Linear(8, 6), RecoverConfig(objective="ce"), loader=None, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

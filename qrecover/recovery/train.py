@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import pickle
 import random
 import resource
@@ -95,6 +96,37 @@ def process_state() -> Any:
     from accelerate import PartialState
 
     return PartialState(cpu=cpu_only())
+
+
+def check_distributed(kind: Any) -> None:
+    """Refuse a launch mode the loop does not support: only one process or data parallel (DDP, on GPUs or CPUs).
+
+    ``kind``: accelerate's ``DistributedType`` (or its value). FSDP is refused: it shards parameters only, and here
+    the parameters are the adapter (small) while the frozen base is buffers, which FSDP replicates on every
+    process; what it would shard (the adapter and its optimizer state) is what checkpoints and the exported
+    adapter read whole on the main process, which would then save its shard. DeepSpeed and Megatron-LM likewise
+    wrap the optimizer and parameters in ways this loop does not handle."""
+    name = str(getattr(kind, "value", kind)).upper()
+    if name == "FSDP":
+        raise QRecoverError(
+            "FSDP (accelerate launch --use_fsdp, or an accelerate config with distributed_type FSDP) is not supported: "
+            "the quantized base is held in buffers, which FSDP does not shard, so every process would still hold the "
+            "whole packed base, and only the small adapter would be split. Launch data parallel instead (accelerate "
+            "launch without --use_fsdp, or torchrun); if the dequantized weights do not fit one device, add "
+            "--no-cache-dequantized (only the packed weights stay on the device, each layer dequantized as it runs)")
+    if name in ("DEEPSPEED", "MEGATRON_LM"):
+        raise QRecoverError(f"accelerate's {name} mode is not supported by the recovery loop; launch data parallel "
+                            "(accelerate launch without --use_deepspeed/--use_megatron_lm, or torchrun)")
+
+
+def requested_distributed() -> str:
+    """The launch mode ``accelerate launch`` asked for through the environment ("FSDP", "DEEPSPEED", "MEGATRON_LM"),
+    or "NO": read before accelerate builds a plugin (its FSDP plugin raises a RuntimeError on a machine without
+    GPUs before our message could say why)."""
+    for kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        if os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() in ("1", "true", "yes"):
+            return kind
+    return "NO"
 
 
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -254,9 +286,11 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         raise QRecoverError(f"objective {cfg.objective!r} distils from the unquantized model, but none was given")
     # Autocast is ours rather than accelerate's: accelerate's mixed-precision setting is process-global and cannot
     # change between two runs in one process (the benchmark trains several); torch.autocast is the same thing.
+    check_distributed(requested_distributed())
     # DDP: the packed base weights are buffers, frozen and the same on every process (read from one checkpoint):
     # not broadcast before every forward, which would send the whole base each micro-batch.
     accelerator = Accelerator(mixed_precision="no", cpu=cpu_only(), kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    check_distributed(accelerator.distributed_type)
     precision = mixed_precision(cfg)
 
     def autocast():
