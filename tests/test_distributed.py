@@ -149,3 +149,11 @@ def test_fsdp_and_deepspeed_launches_are_refused_with_the_reason(kind, tmp_path,
     with pytest.raises(QRecoverError, match=rf"{kind}.*not supported.*{fix}"):
         train(torch.nn.Linear(8, 6), RecoverConfig(objective="ce"), loader=None, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_world_of_a_checkpoint_without_the_record_is_derived_from_its_tokens():
+    from qrecover.recovery.train import checkpoint_world
+
+    cfg = RecoverConfig(batch_size=2, grad_accum=3, seq_len=64).to_dict()
+    assert checkpoint_world({"config": cfg, "step": 5, "tokens": 5 * 2 * 3 * 64 * 4}) == 4  # written before "world" existed
+    assert checkpoint_world({"config": cfg, "step": 5, "tokens": 5 * 2 * 3 * 64, "world": 1}) == 1

@@ -219,8 +219,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
 
     cfg = cfg or RecoverConfig()
     checkpoint, out = _require_checkpoint(checkpoint), Path(out)
-    if resume and is_complete(out):
-        return json.loads((out / ADAPTER_META).read_text())
+    if resume and is_complete(out):  # (the main process reports it)
+        return json.loads((out / ADAPTER_META).read_text()) if _is_main_process() else {}
     # --- every input checked before any model loads -----------------------------------------------------
     mix = read_mix(cfg.mix)
     manifest = read_manifest(checkpoint)
@@ -283,8 +283,8 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
         raise QRecoverError(f"finetune trains on the feature's data with cross-entropy; --objective {cfg.objective!r} "
                             "is for recovery")
     checkpoint, out = _require_checkpoint(checkpoint), Path(out)
-    if resume and is_complete(out):
-        return json.loads((out / ADAPTER_META).read_text())
+    if resume and is_complete(out):  # (the main process reports it)
+        return json.loads((out / ADAPTER_META).read_text()) if _is_main_process() else {}
     # --- every input checked before any model loads -----------------------------------------------------
     if not (Path(init_adapter) / "adapter_config.json").is_file():
         raise QRecoverError(f"--init-adapter {str(init_adapter)!r} is not an adapter directory (no adapter_config.json); "
