@@ -273,7 +273,9 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
           callback: Callable[[dict[str, Any]], None] | None = None, description: str = "recover") -> dict[str, Any]:
     """Train the trainable (LoRA) parameters of ``model`` on ``loader``; returns a summary of the run.
 
-    ``loader``: iterable of ``{"input_ids", "labels"}`` sequences with ``state_dict()``/``load_state_dict()``.
+    ``loader``: iterable of ``{"input_ids", "labels"}`` sequences with ``state_dict()``/``load_state_dict()``, its
+    state the global position; one with ``batches(batch_size, rank, world)`` gives this process's micro-batches
+    itself (global sequence ``i`` of each ``batch_size * world`` to process ``i % world``, as :func:`_batches` does).
     ``teacher``: the unquantized model, needed by the 'kd' and 'mix' objectives.
     ``callback(info)``: called on the main process once before the first step of a fresh run (``step`` 0, ``loss``
     NaN: the model as initialised) and after every optimizer step (and checkpoint), with
