@@ -281,7 +281,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     NaN: the model as initialised) and after every optimizer step (and checkpoint), with
     ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
     """
-    from accelerate import Accelerator, DistributedDataParallelKwargs
+    from accelerate import Accelerator
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     if cfg.objective != "ce" and teacher is None:
@@ -289,6 +289,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     # Autocast is ours rather than accelerate's: accelerate's mixed-precision setting is process-global and cannot
     # change between two runs in one process (the benchmark trains several); torch.autocast is the same thing.
     check_distributed(requested_distributed())
+    from accelerate import DistributedDataParallelKwargs
+
     # DDP: the packed base weights are buffers, frozen and the same on every process (read from one checkpoint):
     # not broadcast before every forward, which would send the whole base each micro-batch.
     accelerator = Accelerator(mixed_precision="no", cpu=cpu_only(), kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
