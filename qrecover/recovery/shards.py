@@ -174,14 +174,14 @@ class ShardLoader:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise QRecoverError(f"seq_len={seq_len!r} must be a positive integer")
         live = [s for s in self.manifest["sources"] if s["weight"] > 0]
-        if total_tokens is None:  # one pass over the data
-            total_tokens = sum(s["tokens"] // seq_len for s in live) * seq_len
-        if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < seq_len:
-            raise QRecoverError(f"total_tokens={total_tokens!r} must be an integer of at least one sequence (seq_len={seq_len})")
         short = [f"{s['name']!r} ({s['tokens']} tokens)" for s in live if s["tokens"] < seq_len]
         if short:
             raise QRecoverError(f"prepared data {str(self.data_dir)!r}: source(s) {', '.join(short)} hold fewer tokens than one "
                                 f"sequence of seq_len={seq_len}; lower --seq-len or give them more documents")
+        if total_tokens is None:  # one pass over the data
+            total_tokens = sum(s["tokens"] // seq_len for s in live) * seq_len
+        if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < seq_len:
+            raise QRecoverError(f"total_tokens={total_tokens!r} must be an integer of at least one sequence (seq_len={seq_len})")
         self.seq_len, self.seed = seq_len, seed
         self.num_sequences = total_tokens // seq_len
         self.total_tokens = self.num_sequences * seq_len
