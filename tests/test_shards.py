@@ -395,3 +395,14 @@ def test_recover_trains_from_prepared_data(prepared, tiny_ckpt, tmp_path, capsys
     prepare_data(text_only, other, tokenizer=CharTok(), workers=1, decontaminate=False, show_progress=False)
     code, _, err = run(["recover", tiny_ckpt, "--data", other, "--tokens", "128", "--no-decontaminate", "--out", tmp_path / "l3"], capsys)
     assert code == 2 and "another tokenizer" in err and "qrecover data prepare" in err and not (tmp_path / "l3").exists()
+
+
+def test_cli_help(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "data" in out
+    code, out, err = run(["data", "prepare", "--help"], capsys)
+    assert code == 0, err
+    for opt in ("--out", "--model", "--workers", "--tokens", "--shard-tokens", "--overwrite", "--no-decontaminate", "Examples"):
+        assert opt in out, opt
+    code, out, _ = run(["recover", "--help"], capsys)
+    assert code == 0 and "--data" in out
