@@ -224,6 +224,8 @@ def prepare_data(mix: str | os.PathLike | Mix, out: str | os.PathLike, model: st
     if out.exists() and not overwrite:
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
     workers = workers or default_workers()
+    if "fork" not in multiprocessing.get_all_start_methods():  # workers inherit the parent's indexes by fork
+        workers = 1
     mix = load_mix(mix)
     generator = None
     if tokenizer is None:
