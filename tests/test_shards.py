@@ -406,3 +406,19 @@ def test_cli_help(capsys):
         assert opt in out, opt
     code, out, _ = run(["recover", "--help"], capsys)
     assert code == 0 and "--data" in out
+
+
+def test_hf_streaming_source(tmp_path, tok):
+    """kind 'hf' through a local builder (no hub needed): the parent streams, workers tokenize, --tokens ends it."""
+    write_sources(tmp_path / "src")
+    web = sorted((tmp_path / "src" / "web").rglob("*.jsonl"))
+    hf = tmp_path / "hf.toml"
+    hf.write_text(f'[[source]]\nname = "stream"\nkind = "hf"\nweight = 1\ndataset = "json"\ndata_files = "{web[0]}"\n')
+    m = prepare_data(hf, tmp_path / "o", tokenizer=tok, workers=2, tokens=100, decontaminate=False, show_progress=False)
+    rows = [json.loads(line)["text"] for line in web[0].read_text().splitlines()]
+    lengths = [len(encode_document(tok, r)[0]) for r in rows]
+    n = int(np.searchsorted(np.cumsum(lengths), 100)) + 1
+    row = m["sources"][0]
+    assert row["tokens"] == sum(lengths[:n]) and row["documents"] == n and not row["complete"]
+    ids, _, _ = stored(tmp_path / "o", row)
+    assert ids.tolist() == [t for r in rows[:n] for t in encode_document(tok, r)[0]]
