@@ -8,6 +8,7 @@ import typer
 
 from ..errors import QRecoverError
 from . import compress as _compress
+from . import data as _data
 from . import eval as _eval
 from . import export as _export
 from . import finetune as _finetune
@@ -35,6 +36,7 @@ app.command("report", epilog=_report.EXAMPLES)(_report.report)
 app.command("gate", epilog=_gate.EXAMPLES)(_gate.gate)
 app.command("pipeline", epilog=_pipeline.EXAMPLES)(_pipeline.pipeline)
 app.command("export", epilog=_export.EXAMPLES)(_export.export)
+app.add_typer(_data.app, name="data")
 
 
 def main(argv: list[str] | None = None) -> None:

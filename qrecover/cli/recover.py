@@ -20,6 +20,8 @@ EXAMPLES = """Examples:
 
   qrecover recover CKPT --objective ce --mix my-mix.toml --out out/lora-ce
 
+  qrecover recover CKPT --data data/my-mix --tokens 100000000           # shards from `qrecover data prepare`
+
   qrecover recover CKPT --out out/lora-r16 --resume                      # continue an interrupted run
 
   accelerate launch -m qrecover.cli recover CKPT --tokens 10000000       # data parallel on several GPUs
@@ -33,6 +35,7 @@ def recover(
     rank: int = typer.Option(D("rank"), "--rank", "-r", help="LoRA rank."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Several ranks in one command, e.g. 8,16,32: one adapter each, in OUT/rank-R."),
     mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped mix (qrecover/recipes/default-mix.toml)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="A directory made by `qrecover data prepare` (tokenized shards; same as --mix DIR)."),
     tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens per adapter."),
     objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' (next-token loss on the data) "
                                                                       "or 'mix'."),
@@ -63,11 +66,14 @@ def recover(
 ) -> None:
     """Train LoRA recovery adapters on the frozen quantized model (AFM section 5): PEFT adapters in 16 bits."""
     from ..errors import QRecoverError
-    from ..recovery.api import read_mix
+    from ..recovery.api import read_mix_or_data
     from ..recovery.api import recover as run
 
     if overwrite and resume:
         raise QRecoverError("--overwrite and --resume contradict each other; pick one")
+    if data is not None and mix is not None:
+        raise QRecoverError("--data and --mix both name the training data; pass one")
+    mix = data if data is not None else mix
     rank_list = parse_ints(ranks, "--ranks") if ranks else [rank]
     if not rank_list:
         raise QRecoverError("--ranks must name at least one rank, e.g. --ranks 8,16,32")
@@ -76,7 +82,7 @@ def recover(
                              targets=targets, checkpoint_every=checkpoint_every,
                              gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
                              decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
-    read_mix(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
+    read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
     results = []
     for cfg in configs:

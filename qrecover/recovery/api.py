@@ -40,6 +40,8 @@ from ..recipes import DEFAULT_MIX, shipped_path
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
 from .mix import Mix, MixLoader, load_mix, single_source_mix
+from .shards import ShardLoader, check_tokenizer, is_prepared
+from .shards import read_manifest as read_data_manifest
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation
@@ -63,6 +65,16 @@ def read_mix(mix: str | Path | None) -> Mix:
         return load_mix(path)
     except QRecoverError as e:
         raise (e if str(path) in str(e) else QRecoverError(f"mix {str(path)!r}: {e}")) from None
+
+
+def read_mix_or_data(mix: str | Path | None) -> Mix | dict[str, Any]:
+    """:func:`read_mix`, or the manifest of a directory prepared by ``qrecover data prepare`` (format checked)."""
+    if is_prepared(mix):
+        return read_data_manifest(mix)
+    if mix is not None and Path(mix).expanduser().is_dir():
+        raise QRecoverError(f"--mix {str(mix)!r} is a directory without a manifest.json: not prepared data; prepare it with "
+                            f"`qrecover data prepare MIX.toml --out {mix}`, or pass a data-mix TOML")
+    return read_mix(mix)
 
 
 def _require_checkpoint(checkpoint: str | Path) -> Path:
@@ -174,7 +186,9 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manif
 def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | Mix | None,
                  data: str | None = None, generator: Any = None, show_progress: bool = True) -> Any:
     """The packed data stream; ``generator`` is the unquantized instruct model (or its spec) for self-generated
-    chat sources."""
+    chat sources. A directory prepared by ``qrecover data prepare`` (``cfg.mix``) is read by :class:`.shards.ShardLoader`."""
+    if mix_path is None and data is None and is_prepared(cfg.mix):
+        return ShardLoader(cfg.mix, tokenizer, seq_len=cfg.seq_len, total_tokens=total_tokens, seed=cfg.seed)
     mix = single_source_mix(data) if data is not None else load_mix(mix_path or read_mix(cfg.mix))
     return MixLoader(mix, tokenizer, seq_len=cfg.seq_len, total_tokens=total_tokens, seed=cfg.seed,
                      decontaminate=cfg.decontaminate, model=generator, show_progress=show_progress)
@@ -222,11 +236,16 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     if resume and is_complete(out):  # (the main process reports it)
         return json.loads((out / ADAPTER_META).read_text()) if _is_main_process() else {}
     # --- every input checked before any model loads -----------------------------------------------------
-    mix = read_mix(cfg.mix)
+    mix = read_mix_or_data(cfg.mix)
     manifest = read_manifest(checkpoint)
+    if isinstance(mix, dict):  # prepared data: tokenized by this checkpoint's tokenizer, decontaminated if asked
+        check_tokenizer(mix, AutoTokenizer.from_pretrained(checkpoint), cfg.mix)
+        if cfg.decontaminate and mix["decontamination"] is None:
+            raise QRecoverError(f"prepared data {cfg.mix!r} was made with --no-decontaminate; prepare it again without it, "
+                                "or train with --no-decontaminate")
     if teacher is None and (cfg.objective != "ce" or cfg.init == "svd"):
         _check_teacher_source(manifest, f"--objective {cfg.objective} --init {cfg.init}")
-    elif teacher is None and any(s.kind == "selfgen" and not s.model for s in mix.sources):
+    elif teacher is None and isinstance(mix, Mix) and any(s.kind == "selfgen" and not s.model for s in mix.sources):
         _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
     with _run_dir(out, overwrite, resume):
         if _is_main_process():
@@ -244,8 +263,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
         world = process_state().num_processes
         generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
-        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world, mix,
-                              generator=generator, show_progress=show_progress)
+        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,
+                              mix if isinstance(mix, Mix) else None, generator=generator, show_progress=show_progress)
         summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
                         callback=callback, description=f"recover r{cfg.rank}")
         if not summary["is_main_process"]:
@@ -311,4 +330,5 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
                        {"init_adapter": str(Path(init_adapter).resolve()), "data": data})
 
 
-__all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "read_mix", "load_teacher", "latest_checkpoint", "is_complete"]
+__all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "read_mix", "read_mix_or_data",
+           "load_teacher", "latest_checkpoint", "is_complete"]
