@@ -5,7 +5,8 @@ batch of 4 sequences, gradient checkpointing on); one process then trains the sa
 another resumes the 2-process run's step-2 checkpoint as 1 sequence x 4 micro-batches. All three must give the
 same adapter to float tolerance (the loss is the token mean over the global batch, so the split into processes,
 micro-batches and accumulation does not matter; the mix has chat data whose masked labels make the token counts
-differ between sequences). A resume that changes the global batch is refused, naming the fix.
+differ between sequences); the same on prepared token shards. A resume that changes the global batch is
+refused, naming the fix; FSDP and DeepSpeed launches are refused with the reason.
 """
 
 from __future__ import annotations
@@ -80,23 +81,29 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tiny_ckpt, chat_text_mix, tmp_path_factory) -> Path:
-    """``qrecover recover`` under torchrun: 2 processes x batch 1 x grad_accum 2, checkpoints kept."""
-    out = tmp_path_factory.mktemp("ddp") / "r4"
+def _torchrun_recover(ckpt: Path, out: Path, data: Path, *extra: str) -> dict:
+    """``qrecover recover`` under torchrun: 2 processes x batch 1 x grad_accum 2, checkpoints kept; its JSON report."""
     root = Path(__file__).parents[1]  # this checkout's qrecover, whatever the environment has installed
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "qrecover.cli", "recover", str(tiny_ckpt), "--out", str(out),
-           "--mix", str(chat_text_mix), "--rank", "4", "--tokens", str(RUN["tokens"]), "--seq-len", str(SEQ),
+           "--master_port", str(_free_port()), "-m", "qrecover.cli", "recover", str(ckpt), "--out", str(out),
+           "--mix", str(data), "--rank", "4", "--tokens", str(RUN["tokens"]), "--seq-len", str(SEQ),
            "--objective", "mix", "--lr", "1e-2", "--checkpoint-every", "2", "--precision", "fp32", "--no-decontaminate",
-           "--batch-size", "1", "--grad-accum", "2", "--gradient-checkpointing", "--keep-checkpoints", "--json"]
+           "--batch-size", "1", "--grad-accum", "2", "--keep-checkpoints", "--json", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     report, end = json.JSONDecoder().raw_decode(proc.stdout.strip())
     assert end == len(proc.stdout.strip()), proc.stdout  # one report (the main process's); the other prints nothing
     assert report["tokens"] == RUN["tokens"] and report["out"] == str(out)
+    return report
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny_ckpt, chat_text_mix, tmp_path_factory) -> Path:
+    """On the data mix, with gradient checkpointing."""
+    out = tmp_path_factory.mktemp("ddp") / "r4"
+    _torchrun_recover(tiny_ckpt, out, chat_text_mix, "--gradient-checkpointing")
     return out
 
 
@@ -157,3 +164,20 @@ def test_world_of_a_checkpoint_without_the_record_is_derived_from_its_tokens():
     cfg = RecoverConfig(batch_size=2, grad_accum=3, seq_len=64).to_dict()
     assert checkpoint_world({"config": cfg, "step": 5, "tokens": 5 * 2 * 3 * 64 * 4}) == 4  # written before "world" existed
     assert checkpoint_world({"config": cfg, "step": 5, "tokens": 5 * 2 * 3 * 64, "world": 1}) == 1
+
+
+def test_two_processes_on_prepared_shards_give_the_adapter_of_one(tiny_ckpt, chat_text_mix, tmp_path):
+    """The same on data from ``qrecover data prepare``: each process reads only its sequences (``batches``)."""
+    from transformers import AutoTokenizer
+
+    from qrecover.recovery.prepare import prepare_data
+
+    data = tmp_path / "shards"
+    prepare_data(chat_text_mix, data, tokenizer=AutoTokenizer.from_pretrained(tiny_ckpt), workers=1, decontaminate=False,
+                 show_progress=False)
+    _torchrun_recover(tiny_ckpt, tmp_path / "two", data)
+    recover(tiny_ckpt, tmp_path / "one", RecoverConfig(mix=str(data), batch_size=2, grad_accum=2, **RUN), show_progress=False,
+            keep_checkpoints=True)
+    _assert_same_adapter(tiny_ckpt, tmp_path / "two", tmp_path / "one")
+    report = json.loads((tmp_path / "two" / "data_report.json").read_text())
+    assert report["kind"] == "shards" and report["sequences"] == STEPS * GLOBAL
