@@ -286,11 +286,11 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     if cfg.objective != "ce" and teacher is None:
         raise QRecoverError(f"objective {cfg.objective!r} distils from the unquantized model, but none was given")
-    # Autocast is ours rather than accelerate's: accelerate's mixed-precision setting is process-global and cannot
-    # change between two runs in one process (the benchmark trains several); torch.autocast is the same thing.
     check_distributed(requested_distributed())
     from accelerate import DistributedDataParallelKwargs
 
+    # Autocast is ours rather than accelerate's: accelerate's mixed-precision setting is process-global and cannot
+    # change between two runs in one process (the benchmark trains several); torch.autocast is the same thing.
     # DDP: the packed base weights are buffers, frozen and the same on every process (read from one checkpoint):
     # not broadcast before every forward, which would send the whole base each micro-batch.
     accelerator = Accelerator(mixed_precision="no", cpu=cpu_only(), kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
