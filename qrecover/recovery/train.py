@@ -36,7 +36,7 @@ from ..io_utils import atomic_file
 from ..progress import progress
 from ..qlinear import QuantLinear
 from .config import RecoverConfig
-from .objective import loss_fn
+from .objective import step_loss
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
@@ -244,13 +244,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             for _ in range(cfg.grad_accum):
                 ids, labels = next(stream)
                 ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
-                teacher_logits = None
-                if teacher is not None and cfg.objective != "ce":
-                    with torch.no_grad(), autocast():
-                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits
-                with autocast():
-                    logits = model(input_ids=ids, use_cache=False).logits
-                    loss = loss_fn(cfg.objective, logits, labels, teacher_logits, cfg.kd_weight, cfg.temperature)
+                loss = step_loss(model, teacher, ids, labels, cfg, autocast, precision)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(run_dir)
                     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
