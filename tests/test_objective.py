@@ -4,7 +4,7 @@ Checks that :func:`chunked_loss` gives :func:`loss_fn`'s loss and gradients (flo
 ce/kd/mix, temperatures, masked labels, Gemma-style soft-capping and every chunk size; that :func:`step_loss` takes
 the hidden states and head of real (tiny, random) Llama, Qwen2, Gemma-2/3, Phi-3 and Mistral models through PEFT
 and matches the unchunked loss and gradients, and falls back to full logits for a model whose logits are something
-its head does not give; that the peak memory of a 4 x 256 x 50k-vocabulary distillation step is several times
+its head does not give; that the peak memory of a 2 x 256 x 50k-vocabulary distillation step is several times
 lower chunked (separate processes, peak resident memory); that a training run chunked ends with the adapter of
 an unchunked one; and the teacher's placement and the settings' validation.
 """
@@ -184,7 +184,7 @@ PEAK = textwrap.dedent("""
     import json, resource, sys, torch
     from qrecover.recovery import objective as O
     chunk = int(sys.argv[1])
-    b, s, h, v = 4, 256, 32, 50_000
+    b, s, h, v = 2, 256, 32, 50_000
     g = torch.Generator().manual_seed(0)
     hs = torch.randn(b, s, h, generator=g, requires_grad=True)
     ht = torch.randn(b, s, h, generator=g)
@@ -209,12 +209,12 @@ def _peak(chunk: int) -> dict:
 
 
 def test_chunked_peak_memory_is_a_fraction_of_the_full_logits():
-    """4 x 256 positions x 50k vocabulary: one logits tensor is 205 MB in fp32; unchunked, the step holds several
+    """2 x 256 positions x 50k vocabulary: one logits tensor is 102 MB in fp32; unchunked, the step holds several
     (student and teacher logits, log-probabilities, gradients); chunked by 128 positions, one chunk's."""
     full, chunked = _peak(0), _peak(128)
     assert abs(full["loss"] - chunked["loss"]) <= 1e-5 * abs(full["loss"])
     assert abs(full["grad"] - chunked["grad"]) <= 1e-5 * full["grad"]
-    assert full["peak_mb"] > 800, full  # the full-logits step really is large
+    assert full["peak_mb"] > 400, full  # the full-logits step really is large
     assert chunked["peak_mb"] < full["peak_mb"] / 4, (chunked, full)
 
 

@@ -36,7 +36,7 @@ from ..io_utils import atomic_file
 from ..progress import progress
 from ..qlinear import QuantLinear
 from .config import RecoverConfig
-from .objective import step_loss
+from . import objective
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
@@ -244,7 +244,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             for _ in range(cfg.grad_accum):
                 ids, labels = next(stream)
                 ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
-                loss = step_loss(model, teacher, ids, labels, cfg, autocast, precision)
+                loss = objective.step_loss(model, teacher, ids, labels, cfg, autocast, precision)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(run_dir)
                     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
