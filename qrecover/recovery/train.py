@@ -35,8 +35,8 @@ from ..errors import QRecoverError
 from ..io_utils import atomic_file
 from ..progress import progress
 from ..qlinear import QuantLinear
-from .config import RecoverConfig
 from . import objective
+from .config import RecoverConfig
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
