@@ -11,8 +11,9 @@ Shapes: ``logits (batch, seq, vocab)``, ``labels (batch, seq)`` int64 with -100 
 
 Chunked (:func:`chunked_loss`, what :func:`step_loss` uses when ``cfg.loss_chunk > 0``): the same means computed
 from the models' final hidden states ``(batch, seq, hidden)`` and their output heads, ``chunk`` positions at a
-time, each chunk's logits recomputed in backward (``torch.utils.checkpoint``), so that no more than one chunk of
-vocabulary-sized tensors exists at once: at 8 x 2048 tokens and a 128k vocabulary the full logits are 8 GB per
+time, so that no more than one chunk of vocabulary-sized tensors exists at once (each chunk's gradient computed
+in the forward pass for a frozen head, the adapters' case: no recomputation; else its logits recomputed in
+backward): at 8 x 2048 tokens and a 128k vocabulary the full logits are 8 GB per
 tensor in fp32, a chunk of 1024 positions 0.5 GB. The hidden states come from the model's own forward with
 ``logits_to_keep`` selecting no position (its head runs on nothing) and a hook on the decoder; the head and the
 logit post-processing (Gemma-2/3's ``final_logit_softcapping``) are checked once per model against the model's
@@ -100,16 +101,45 @@ def _chunk_sum(hs: torch.Tensor, ht: torch.Tensor | None, targets: torch.Tensor,
     return total
 
 
+class _Fused(torch.autograd.Function):
+    """The chunks' summed loss, and its gradient with respect to the student's hidden states computed in the same
+    pass (each chunk's logits live only inside its iteration); backward scales that stored ``(n, hidden)`` gradient.
+    No recomputation, so the cost is the unchunked loss's; only for heads with no trainable parameter (their
+    gradients would be lost)."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, targets, chunk, args):  # noqa: D102 (torch.autograd.Function protocol)
+        total = _wide(hs.new_zeros(()))
+        grad = torch.zeros_like(hs) if ctx.needs_input_grad[0] else None
+        for i in range(0, targets.numel(), chunk):
+            h = hs[i:i + chunk].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                loss = _chunk_sum(h, None if ht is None else ht[i:i + chunk], targets[i:i + chunk], *args)
+            if grad is not None:
+                grad[i:i + chunk] = torch.autograd.grad(loss, h)[0]
+            total = total + loss.detach()
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None, None
+
+
 def chunked_loss(objective: str, student_hidden: torch.Tensor, labels: torch.Tensor, student_head: Head,
                  teacher_hidden: torch.Tensor | None = None, teacher_head: Head | None = None, kd_weight: float = 0.5,
-                 temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+                 temperature: float = 1.0, chunk: int = 1024, fused: bool = False) -> torch.Tensor:
     """:func:`loss_fn` from hidden states, ``chunk`` predicted positions at a time.
 
     ``student_hidden (batch, seq, hidden)``: the student's final hidden states (after its final norm);
     ``student_head``: ``(n, hidden) -> (n, vocab)`` logits, post-processing included. ``teacher_hidden (batch, seq,
     hidden_t)`` and ``teacher_head`` likewise (``kd``/``mix``), on the teacher's device (its logits are moved to the
-    student's, one chunk at a time). Each chunk's logits are recomputed in backward, so the peak is one chunk's
-    vocabulary-sized tensors (logits, log-probabilities, their gradients), not the micro-batch's.
+    student's, one chunk at a time). The peak is one chunk's vocabulary-sized tensors (logits, log-probabilities,
+    their gradients), not the micro-batch's. ``fused=False``: each chunk's logits are recomputed in backward
+    (``torch.utils.checkpoint``; gradients reach everything, the head's parameters included). ``fused=True``: the
+    gradient with respect to ``student_hidden`` is computed chunk by chunk in the forward pass and stored
+    (``(n, hidden)``), no recomputation; the heads' parameters get no gradient (for frozen heads: the adapters').
     """
     if objective != "ce" and (teacher_hidden is None or teacher_head is None):
         raise ValueError(f"objective {objective!r} needs the teacher's hidden states and head")
@@ -120,11 +150,14 @@ def chunked_loss(objective: str, student_hidden: torch.Tensor, labels: torch.Ten
     targets = labels[:, 1:][keep]
     ht = None if objective == "ce" else teacher_hidden[:, :-1][keep.to(teacher_hidden.device)]
     n = targets.numel()
+    args = (student_head, teacher_head, objective, kd_weight, temperature)
+    if fused:
+        return _Fused.apply(hs, ht, targets, chunk, args) / n
     total = _wide(hs.sum()) * 0.0  # in the graph even when n = 0 (then the mean is NaN, as loss_fn's)
     for i in range(0, n, chunk):
-        total = total + checkpoint(_chunk_sum, hs[i:i + chunk], None if ht is None else ht[i:i + chunk],
-                                   targets[i:i + chunk], student_head, teacher_head, objective, kd_weight, temperature,
-                                   use_reentrant=False)
+        part = (hs[i:i + chunk], None if ht is None else ht[i:i + chunk], targets[i:i + chunk], *args)
+        # one chunk that is the whole batch saves nothing by recomputation: computed once
+        total = total + (_chunk_sum(*part) if n <= chunk else checkpoint(_chunk_sum, *part, use_reentrant=False))
     return total / n
 
 
@@ -278,7 +311,8 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
     if use_teacher:
         with torch.no_grad(), autocast():
             teacher_hidden = hidden_states(teacher, ids.to(t_dev))
+    head_trains = any(p.requires_grad for p in _unwrap(model).get_output_embeddings().parameters())
     with autocast():
         hidden = hidden_states(model, ids)
         return chunked_loss(cfg.objective, hidden, labels, s_head, teacher_hidden, t_head, cfg.kd_weight,
-                            cfg.temperature, chunk)
+                            cfg.temperature, chunk, fused=not head_trains)
