@@ -56,6 +56,10 @@ def recover(
     no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in "
                                                                         "memory."),
     no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the evaluation sets."),
+    loss_chunk: int = typer.Option(D("loss_chunk"), "--loss-chunk", help="Positions per chunk of the loss (vocabulary-sized logits one chunk "
+                                                                         "at a time); 0 = unchunked."),
+    teacher_device: Optional[str] = typer.Option(D("teacher_device"), "--teacher-device", help="Device of the distillation teacher, e.g. "
+                                                                                               "cuda:1 (default: the training device)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the adapter initialisation and data order."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Adapter directory (default: CHECKPOINT-lora-rR; with --ranks the parent of "
                                                                  "rank-R)."),
@@ -81,7 +85,8 @@ def recover(
                              kd_weight=kd_weight, init=init, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                              targets=targets, checkpoint_every=checkpoint_every,
                              gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
-                             decontaminate=not no_decontaminate, seed=seed) for r in rank_list]
+                             decontaminate=not no_decontaminate, seed=seed, loss_chunk=loss_chunk,
+                             teacher_device=teacher_device) for r in rank_list]
     read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
     results = []

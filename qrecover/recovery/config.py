@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,11 @@ class RecoverConfig(DictConfig):
                                "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
     decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
+    loss_chunk: int = doc_field(1024, "predicted positions per chunk of the loss: the student's and teacher's vocabulary-sized logits "
+                                "exist one chunk at a time (recomputed in backward); 0 = the whole micro-batch at once "
+                                "(batch x seq x vocab floats per tensor: 8 GB at 8 x 2048 tokens and a 128k vocabulary)")
+    teacher_device: str | None = doc_field(None, "device of the distillation teacher, e.g. 'cuda:1'; None = the training device. "
+                                           "On CUDA with bf16 precision the (frozen) teacher is cast to bf16 once")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +82,11 @@ class RecoverConfig(DictConfig):
             raise QRecoverError(f"warmup={self.warmup} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.checkpoint_every < 0 or self.max_grad_norm < 0:
             raise QRecoverError("--checkpoint-every and max_grad_norm must not be negative")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise QRecoverError(f"--loss-chunk {self.loss_chunk!r} must be a number of positions >= 0 (0 = unchunked), "
+                                "e.g. --loss-chunk 1024")
+        if self.teacher_device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|xpu(:\d+)?|mps", str(self.teacher_device)):
+            raise QRecoverError(f"--teacher-device {self.teacher_device!r} is not a device; pass e.g. cuda:1, cuda or cpu")
         if self.targets != "all":
             n = self.targets.removeprefix("top:")
             if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:

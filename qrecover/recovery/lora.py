@@ -24,6 +24,7 @@ Sizes: each adapted layer ``W (out, in)`` gets ``A (r, in)`` and ``B (out, r)``,
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -36,7 +37,6 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..calibrate import input_moments
 from ..checkpoint import read_manifest
 from ..errors import QRecoverError
 from ..io_utils import read_json, sha256_file
@@ -90,6 +90,13 @@ def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
             if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
 
 
+#: layers up to this width (rows and columns) take the exact float64 path of :func:`lowrank_correction`; wider
+#: ones the randomized one (an eigendecomposition and a full SVD are cubic in the width: see benchmarks/svd_init.py)
+EXACT_MAX_WIDTH = 2048
+OVERSAMPLE = 8  # extra directions of the randomized range finder
+POWER_ITERS = 4  # its subspace iterations on E H E^T
+
+
 def lowrank_correction(error: torch.Tensor, gram: torch.Tensor | None, rank: int, scaling: float,
                        damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, A)`` with ``scaling * B @ A`` the rank-``rank`` matrix closest to ``error`` (out, in) in the
@@ -97,34 +104,119 @@ def lowrank_correction(error: torch.Tensor, gram: torch.Tensor | None, rank: int
     ``H = gram + damp * mean(diag(gram)) * I`` the inputs' second moment ``E[x x^T]`` (``gram=None``: plain
     Frobenius norm). By Eckart-Young the minimiser is the truncated SVD of ``error @ S``, mapped back by
     ``S^-1``. B and A share the singular values evenly (both ``sqrt(sigma / scaling)``). Computed in float64.
+
+    Exact, and cubic in the width (an eigendecomposition of ``H`` and a full SVD): :func:`randomized_correction`
+    is the path for wide layers, :func:`best_correction` picks.
     """
     e = error.double()
     if gram is None:
-        s_half = s_inv = torch.eye(e.shape[1], dtype=torch.float64)
+        s_half = s_inv = torch.eye(e.shape[1], dtype=torch.float64, device=e.device)
     else:
         h = gram.double()
-        h = h + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(h.shape[0], dtype=torch.float64)
+        h = h + damp * h.diagonal().mean().clamp_min(1e-12) * torch.eye(h.shape[0], dtype=torch.float64, device=h.device)
         ev, v = torch.linalg.eigh(h)
         ev = ev.clamp_min(1e-12)
         s_half, s_inv = (v * ev.sqrt()) @ v.T, (v / ev.sqrt()) @ v.T
     u, sigma, vh = torch.linalg.svd(e @ s_half, full_matrices=False)
     r = min(rank, sigma.numel())
     k = (sigma[:r] / scaling).sqrt()
-    b = torch.zeros(e.shape[0], rank, dtype=torch.float64)
-    a = torch.zeros(rank, e.shape[1], dtype=torch.float64)
+    b = torch.zeros(e.shape[0], rank, dtype=torch.float64, device=e.device)
+    a = torch.zeros(rank, e.shape[1], dtype=torch.float64, device=e.device)
     b[:, :r] = u[:, :r] * k
     a[:r] = (k[:, None] * vh[:r]) @ s_inv
     return b, a
 
 
-def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Tensor,
-                   damp: float = 0.01) -> dict[str, float]:
+def _weighting(gram: torch.Tensor | None, inputs: torch.Tensor | None, damp: float, n_in: int, dtype: torch.dtype,
+               device: torch.device):
+    """``v (in, k) -> H v`` with ``H = E[x x^T] + damp * mean(diag) * I`` from ``gram (in, in)`` or from the inputs
+    themselves, ``inputs (tokens, in)`` (``H v = X^T (X v) / tokens``: never forms the in x in matrix); identity
+    when both are None."""
+    if inputs is not None:
+        x = inputs.to(device, dtype)
+        lam = damp * max(float(x.square().sum()) / x.numel(), 1e-12)
+        return lambda v: x.T @ (x @ v) / x.shape[0] + lam * v
+    if gram is not None:
+        h = gram.to(device, dtype)
+        lam = damp * max(float(h.diagonal().mean()), 1e-12)
+        return lambda v: h @ v + lam * v
+    return lambda v: v
+
+
+def randomized_correction(error: torch.Tensor, rank: int, scaling: float, gram: torch.Tensor | None = None,
+                          inputs: torch.Tensor | None = None, damp: float = 0.01, oversample: int = OVERSAMPLE,
+                          iters: int = POWER_ITERS, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lowrank_correction`'s ``(B, A)`` by a randomized range finder, in ``dtype`` on ``error``'s device,
+    with no square root, inverse or decomposition of anything larger than ``(rank + oversample)^2``.
+
+    With ``M = E S`` (``S S^T = H``), the best rank-r approximation is ``P E`` with ``P`` the projector on the top
+    r left singular vectors of ``M``, the top eigenvectors of ``M M^T = E H E^T``, which needs only products with
+    ``E`` and ``H``. Subspace iteration (``iters`` rounds, ``rank + oversample`` directions, re-orthonormalised) on
+    ``E H E^T`` from a seeded Gaussian start gives an orthonormal ``Q (out, k)``; within its span the best rank-r
+    approximation is exact: ``Z = Q^T E``, the eigenvectors ``W`` of ``Z H Z^T (k, k)``, ``B A ~ Q W_r W_r^T Z``.
+    Cost per round ``O(out in k)`` plus one product with ``H`` (``O(in^2 k)``, or ``O(tokens in k)`` from
+    ``inputs (tokens, in)``), against ``O(in^3 + out in^2)`` for the exact path. Deterministic for a ``seed``.
+    """
+    dev = error.device
+    e = error.to(dtype)
+    out_f, in_f = e.shape
+    h = _weighting(gram, inputs, damp, in_f, dtype, dev)
+    k = min(rank + oversample, out_f, in_f)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    y = torch.randn(out_f, k, generator=gen, device=dev, dtype=dtype)
+    for _ in range(iters + 1):
+        q, _ = torch.linalg.qr(y)
+        y = e @ h(e.T @ q)
+    q, _ = torch.linalg.qr(y)
+    z = q.T @ e  # (k, in)
+    g = (z @ h(z.T)).double()
+    evals, w = torch.linalg.eigh((g + g.T) / 2)
+    r = min(rank, k)
+    evals, w = evals.flip(0)[:r].clamp_min(0.0), w.flip(1)[:, :r]
+    sigma = evals.sqrt()
+    # directions with no error (below the float32 noise of the largest) get zero columns, as in the exact path
+    live = sigma > (float(sigma.max()) * 1e-6 if r else 0.0)
+    b = torch.zeros(out_f, rank, dtype=torch.float64, device=dev)
+    a = torch.zeros(rank, in_f, dtype=torch.float64, device=dev)
+    qw, wz = q.double() @ w, w.T @ z.double()
+    b[:, :r] = torch.where(live, qw * (sigma / scaling).sqrt(), 0.0)
+    a[:r] = torch.where(live[:, None], wz / torch.where(live, sigma * scaling, 1.0).sqrt()[:, None], 0.0)
+    return b, a
+
+
+def best_correction(error: torch.Tensor, rank: int, scaling: float, gram: torch.Tensor | None = None,
+                    inputs: torch.Tensor | None = None, damp: float = 0.01, method: str = "auto", seed: int = 0,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, A)`` float64 by ``method``: 'exact' (:func:`lowrank_correction`, float64), 'randomized'
+    (:func:`randomized_correction`, float32 on ``error``'s device) or 'auto': exact for layers of at most
+    ``EXACT_MAX_WIDTH`` rows and columns (cheap there, and the numbers the README reports), randomized above."""
+    if method not in ("auto", "exact", "randomized"):
+        raise QRecoverError(f"svd init method {method!r} must be auto, exact or randomized")
+    if method == "exact" or (method == "auto" and max(error.shape) <= EXACT_MAX_WIDTH):
+        if gram is None and inputs is not None:
+            x = inputs.double()
+            gram = x.T @ x / x.shape[0]
+        return lowrank_correction(error, gram, rank, scaling, damp)
+    return randomized_correction(error, rank, scaling, gram, inputs, damp, seed=seed)
+
+
+def init_device() -> torch.device:
+    """Where the initialisation's linear algebra runs: the GPU when there is one."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Tensor, damp: float = 0.01,
+                   method: str = "auto", device: str | torch.device | None = None, seed: int = 0) -> dict[str, float]:
     """Set every adapter's ``B A`` to the input-weighted rank-r approximation of its layer's quantization error.
 
     ``teacher``: the unquantized model (same module names); ``windows``: ``(n, seq_len)`` calibration token ids,
-    run through the teacher to collect each layer's input second moment ``H``. Returns, per layer, the fraction of
-    its output error on those inputs, ``tr(E H E^T)``, that the initial adapter removes, and under ``"_total"``
-    the same over all layers together.
+    run through the teacher (one batch) to see each layer's inputs ``X (n * seq_len, in)``, ``H = X^T X / tokens``.
+    Each layer is corrected in a hook as its inputs appear (:func:`best_correction` with ``method``, on ``device``,
+    default :func:`init_device`) and its inputs dropped after, so one layer's inputs are held at a time (q/k/v and
+    gate/up, which read the same tensor, share one copy); no ``in x in`` matrix is formed for the randomized path.
+    Returns, per layer, the fraction of its output error on those inputs, ``tr(E H E^T)``, that the initial
+    adapter removes, and under ``"_total"`` the same over all layers together.
     """
     layers = lora_modules(peft_model)
     modules = dict(teacher.named_modules())
@@ -132,22 +224,50 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     if missing:
         raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
                             "was compressed from; use --init zero")
-    grams = input_moments(teacher, {n: modules[n] for n in layers}, windows)
-    captured, before, after = {}, 0.0, 0.0
-    with torch.no_grad():
-        for n, mod in layers.items():
-            a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
-            scaling = mod.scaling["default"]
-            error = modules[n].weight.detach().double().cpu() - mod.base_layer.weight.detach().double().cpu()
-            gram = grams[n]
-            b, a = lowrank_correction(error, gram, a_w.shape[0], scaling, damp)
-            b_w.copy_(b.to(b_w))
-            a_w.copy_(a.to(a_w))
-            rest = error - scaling * b_w.detach().double().cpu() @ a_w.detach().double().cpu()
-            e0 = float(torch.einsum("oi,ij,oj->", error, gram, error))
-            e1 = float(torch.einsum("oi,ij,oj->", rest, gram, rest))
-            captured[n] = 1.0 - e1 / e0 if e0 > 0 else 0.0
-            before, after = before + e0, after + e1
+    dev = torch.device(device) if device is not None else init_device()
+    captured: dict[str, float] = {}
+    sums = {"before": 0.0, "after": 0.0}
+    last: dict[str, Any] = {}  # the inputs of the layer being corrected: (the tensor seen, its copy on dev)
+
+    def correct(name: str, x: torch.Tensor) -> None:
+        mod = layers[name]
+        if last.get("seen") is not x:
+            last["seen"], last["x"] = x, x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
+        xs = last["x"]
+        a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+        scaling = mod.scaling["default"]
+        error = modules[name].weight.detach().to(dev, torch.float64) - mod.base_layer.weight.detach().to(dev, torch.float64)
+        b, a = best_correction(error, a_w.shape[0], scaling, inputs=xs, damp=damp, method=method, seed=seed)
+        b_w.copy_(b.to(b_w))
+        a_w.copy_(a.to(a_w))
+        # output errors on the inputs, tr(E H E^T) = ||X E^T||^2 / tokens, with the adapter as stored
+        xe = xs @ error.float().T
+        rest = xe - scaling * (xs @ a_w.detach().to(dev, torch.float32).T) @ b_w.detach().to(dev, torch.float32).T
+        e0, e1 = float(xe.double().square().sum()) / xs.shape[0], float(rest.double().square().sum()) / xs.shape[0]
+        captured[name] = 1.0 - e1 / e0 if e0 > 0 else 0.0
+        sums["before"] += e0
+        sums["after"] += e1
+
+    def hook(name: str):
+        def fn(_mod, inputs, _out):
+            if name not in captured:
+                correct(name, inputs[0])
+        return fn
+
+    handles = [modules[n].register_forward_hook(hook(n)) for n in layers]
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(teacher.forward).parameters else {}
+    try:
+        with torch.no_grad():
+            teacher(input_ids=windows.to(next(teacher.parameters()).device), use_cache=False, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+        last.clear()
+    never = sorted(set(layers) - set(captured))
+    if never:
+        raise QRecoverError(f"layers {never[:3]} of the unquantized model saw no input in its forward; use --init zero")
+    before, after = sums["before"], sums["after"]
+    captured = {n: captured[n] for n in layers}
     captured["_total"] = 1.0 - after / before if before > 0 else 0.0
     return captured
 

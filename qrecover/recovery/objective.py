@@ -8,12 +8,43 @@ Both are means over the predicted positions that carry a label (``labels != -100
 * ``mix``: ``(1 - w) * ce + w * kd``
 
 Shapes: ``logits (batch, seq, vocab)``, ``labels (batch, seq)`` int64 with -100 where there is no loss.
+
+Chunked (:func:`chunked_loss`, what :func:`step_loss` uses when ``cfg.loss_chunk > 0``): the same means computed
+from the models' final hidden states ``(batch, seq, hidden)`` and their output heads, ``chunk`` positions at a
+time, so that no more than one chunk of vocabulary-sized tensors exists at once (each chunk's gradient computed
+in the forward pass for a frozen head, the adapters' case: no recomputation; else its logits recomputed in
+backward): at 8 x 2048 tokens and a 128k vocabulary the full logits are 8 GB per
+tensor in fp32, a chunk of 1024 positions 0.5 GB. The hidden states come from the model's own forward with
+``logits_to_keep`` selecting no position (its head runs on nothing) and a hook on the decoder; the head and the
+logit post-processing (Gemma-2/3's ``final_logit_softcapping``) are checked once per model against the model's
+own logits on a few tokens, and a model whose logits are something else falls back to the full logits.
+
+Losses are computed in float32, or float64 when the logits are float64 (tests compare against float64 references).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import QRecoverError
+
+#: positions of the model's own forward used to check the head and post-processing (see :func:`output_head`)
+CHECK_POSITIONS = 8
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden (n, hidden) -> logits (n, vocab), post-processing included
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 if it already is (bf16/fp16 logits are upcast, as the loss always was)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,14 +56,14 @@ def _shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, to
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     lg, tg = _shift(logits, labels)
-    return F.cross_entropy(lg.float(), tg)
+    return F.cross_entropy(_wide(lg), tg)
 
 
 def distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     s, _ = _shift(student, labels)
     t, _ = _shift(teacher, labels)
-    log_s = F.log_softmax(s.float() / temperature, dim=-1)
-    log_t = F.log_softmax(t.float() / temperature, dim=-1)
+    log_s = F.log_softmax(_wide(s) / temperature, dim=-1)
+    log_t = F.log_softmax(_wide(t) / temperature, dim=-1)
     return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
 
 
@@ -47,3 +78,241 @@ def loss_fn(objective: str, student: torch.Tensor, labels: torch.Tensor, teacher
     if objective == "kd":
         return kd
     return (1.0 - kd_weight) * cross_entropy(student, labels) + kd_weight * kd
+
+
+# --- chunked: one chunk of vocabulary-sized tensors at a time ------------------------------------------------
+
+def _chunk_sum(hs: torch.Tensor, ht: torch.Tensor | None, targets: torch.Tensor, student_head: Head,
+               teacher_head: Head | None, objective: str, kd_weight: float, temperature: float) -> torch.Tensor:
+    """The loss of one chunk of ``n`` positions, summed (not averaged): ``hs (n, hidden)`` the student's hidden
+    states, ``ht (n, hidden_t)`` the teacher's (on its own device), ``targets (n,)``."""
+    ls = _wide(student_head(hs))
+    total = ls.new_zeros(())
+    if objective != "kd":
+        ce = F.cross_entropy(ls, targets, reduction="sum")
+        total = total + (ce if objective == "ce" else (1.0 - kd_weight) * ce)
+    if objective != "ce":
+        with torch.no_grad():
+            lt = _wide(teacher_head(ht)).to(ls.device)
+        log_s = F.log_softmax(ls / temperature, dim=-1)
+        log_t = F.log_softmax(lt / temperature, dim=-1)
+        kd = F.kl_div(log_s, log_t, log_target=True, reduction="sum") * temperature**2
+        total = total + (kd if objective == "kd" else kd_weight * kd)
+    return total
+
+
+class _Fused(torch.autograd.Function):
+    """The chunks' summed loss, and its gradient with respect to the student's hidden states computed in the same
+    pass (each chunk's logits live only inside its iteration); backward scales that stored ``(n, hidden)`` gradient.
+    No recomputation, so the cost is the unchunked loss's; only for heads with no trainable parameter (their
+    gradients would be lost)."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, targets, chunk, args):  # noqa: D102 (torch.autograd.Function protocol)
+        total = _wide(hs.new_zeros(()))
+        grad = torch.zeros_like(hs) if ctx.needs_input_grad[0] else None
+        for i in range(0, targets.numel(), chunk):
+            h = hs[i:i + chunk].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                loss = _chunk_sum(h, None if ht is None else ht[i:i + chunk], targets[i:i + chunk], *args)
+            if grad is not None:
+                grad[i:i + chunk] = torch.autograd.grad(loss, h)[0]
+            total = total + loss.detach()
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        (grad,) = ctx.saved_tensors
+        return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None, None
+
+
+def chunked_loss(objective: str, student_hidden: torch.Tensor, labels: torch.Tensor, student_head: Head,
+                 teacher_hidden: torch.Tensor | None = None, teacher_head: Head | None = None, kd_weight: float = 0.5,
+                 temperature: float = 1.0, chunk: int = 1024, fused: bool = False) -> torch.Tensor:
+    """:func:`loss_fn` from hidden states, ``chunk`` predicted positions at a time.
+
+    ``student_hidden (batch, seq, hidden)``: the student's final hidden states (after its final norm);
+    ``student_head``: ``(n, hidden) -> (n, vocab)`` logits, post-processing included. ``teacher_hidden (batch, seq,
+    hidden_t)`` and ``teacher_head`` likewise (``kd``/``mix``), on the teacher's device (its logits are moved to the
+    student's, one chunk at a time). The peak is one chunk's vocabulary-sized tensors (logits, log-probabilities,
+    their gradients), not the micro-batch's. ``fused=False``: each chunk's logits are recomputed in backward
+    (``torch.utils.checkpoint``; gradients reach everything, the head's parameters included). ``fused=True``: the
+    gradient with respect to ``student_hidden`` is computed chunk by chunk in the forward pass and stored
+    (``(n, hidden)``), no recomputation; the heads' parameters get no gradient (for frozen heads: the adapters').
+    """
+    if objective != "ce" and (teacher_hidden is None or teacher_head is None):
+        raise ValueError(f"objective {objective!r} needs the teacher's hidden states and head")
+    if chunk <= 0:
+        raise ValueError(f"chunk {chunk} must be a positive number of positions")
+    keep = labels[:, 1:] != -100
+    hs = student_hidden[:, :-1][keep]  # (n, hidden): only the positions that carry a label
+    targets = labels[:, 1:][keep]
+    ht = None if objective == "ce" else teacher_hidden[:, :-1][keep.to(teacher_hidden.device)]
+    n = targets.numel()
+    args = (student_head, teacher_head, objective, kd_weight, temperature)
+    if fused:
+        return _Fused.apply(hs, ht, targets, chunk, args) / n
+    total = _wide(hs.sum()) * 0.0  # in the graph even when n = 0 (then the mean is NaN, as loss_fn's)
+    for i in range(0, n, chunk):
+        part = (hs[i:i + chunk], None if ht is None else ht[i:i + chunk], targets[i:i + chunk], *args)
+        # one chunk that is the whole batch saves nothing by recomputation: computed once
+        total = total + (_chunk_sum(*part) if n <= chunk else checkpoint(_chunk_sum, *part, use_reentrant=False))
+    return total / n
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP/FSDP-style (``.module``) and PEFT (``get_base_model``) wrappers."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _last_hidden(output: Any) -> torch.Tensor:
+    return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, logits_to_keep: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(final hidden states (batch, seq, hidden), logits)`` of one forward of ``model`` (through its wrappers, so
+    that DDP and PEFT see it); the hidden states are taken by a hook on the decoder (``model.model``)."""
+    found: list[torch.Tensor] = []
+    handle = _unwrap(model).model.register_forward_hook(lambda mod, args, out: found.append(_last_hidden(out)))
+    try:
+        kw = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+        logits = model(input_ids=ids, use_cache=False, **kw).logits
+    finally:
+        handle.remove()
+    return found[-1], logits
+
+
+def _post_candidates(base: nn.Module) -> list[tuple[str, float | None]]:
+    """The logit post-processings an architecture may apply: Gemma-2/3's ``cap * tanh(logits / cap)``, or none."""
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    return ([("softcap", float(cap))] if cap else []) + [("none", None)]
+
+
+def _make_head(head: nn.Module, softcap: float | None) -> Head:
+    if softcap is None:
+        return head
+
+    def capped(h: torch.Tensor) -> torch.Tensor:  # the op order of transformers' Gemma-2/3 forward
+        return torch.tanh(head(h) / softcap) * softcap
+
+    return capped
+
+
+_HEADS: "weakref.WeakKeyDictionary[nn.Module, tuple[str, float | None] | None]" = weakref.WeakKeyDictionary()
+
+
+def output_head(model: nn.Module, ids: torch.Tensor) -> Head | None:
+    """``(n, hidden) -> (n, vocab)``: ``model``'s output head with its logit post-processing, or None when the
+    model's logits are not that (an architecture with post-processing this module does not know, no decoder at
+    ``.model``, no ``logits_to_keep``): the caller then computes full logits.
+
+    Checked once per model (cached): one forward of ``ids[:1, :CHECK_POSITIONS]`` with no gradient and the RNG
+    state restored after, comparing the model's own logits to the head applied to its final hidden states, and that
+    ``logits_to_keep`` is obeyed.
+    """
+    base = _unwrap(model)
+    if base not in _HEADS:
+        _HEADS[base] = _check_head(base, ids[:1, :CHECK_POSITIONS])
+    found = _HEADS[base]
+    return None if found is None else _make_head(base.get_output_embeddings(), found[1])
+
+
+def _check_head(base: nn.Module, ids: torch.Tensor) -> tuple[str, float | None] | None:
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or not isinstance(getattr(base, "model", None), nn.Module):
+        return None
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            hidden, logits = _forward(base, ids, None)
+            _, none = _forward(base, ids, torch.empty(0, dtype=torch.long, device=ids.device))
+        except TypeError:  # a forward without logits_to_keep
+            return None
+        if none is None or none.numel() != 0 or hidden.shape[:2] != logits.shape[:2]:
+            return None
+        for name, cap in _post_candidates(base):
+            mine = _make_head(head, cap)(hidden)
+            # the same op on the same tensor as the model's forward: equal but for summation order, if at all
+            if mine.shape == logits.shape and torch.allclose(mine.float(), logits.float(), rtol=1e-6,
+                                                             atol=1e-6 * float(logits.abs().max()) + 1e-12):
+                return name, cap
+    return None
+
+
+def hidden_states(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The final hidden states ``(batch, seq, hidden)`` of ``model`` on ``ids``, its head run on no position."""
+    hidden, _ = _forward(model, ids, torch.empty(0, dtype=torch.long, device=ids.device))
+    return hidden
+
+
+# --- the teacher: placed and cast once ------------------------------------------------------------------
+
+def place_teacher(teacher: nn.Module, device: torch.device, precision: str, teacher_device: str | None = None
+                  ) -> torch.device:
+    """Put the frozen ``teacher`` where it runs, once (later calls find it there and do nothing); returns its device.
+
+    ``teacher_device`` (e.g. ``"cuda:1"``; None = ``device``, the student's). On CUDA with ``precision == "bf16"``
+    its parameters are cast to bf16 (buffers such as rotary frequencies keep their dtype), parameter by parameter
+    while moving, so the fp32 copy never sits on the GPU whole; elsewhere it keeps its dtype (today's CPU
+    behaviour: fp32 weights, autocast). The cast is in place: the same teacher object is bf16 afterwards.
+    """
+    target = torch.device(teacher_device) if teacher_device else torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count():
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise QRecoverError(f"--teacher-device {str(target)!r} does not exist here ({found} CUDA devices); "
+                                "pass an existing device, e.g. cuda:0, or leave it out to use the training device")
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16 if precision == "bf16" and target.type == "cuda" else None
+    first = next(teacher.parameters(), None)
+    if first is not None and first.device == target and (dtype is None or first.dtype == dtype):
+        return target
+    with torch.no_grad():
+        for p in teacher.parameters():
+            if p.device != target or (dtype is not None and p.is_floating_point() and p.dtype != dtype):
+                p.data = p.data.to(target, dtype if dtype is not None and p.is_floating_point() else p.dtype)
+    teacher.to(target).eval().requires_grad_(False)  # the buffers
+    return target
+
+
+# --- one micro-batch ------------------------------------------------------------------------------------
+
+def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, labels: torch.Tensor, cfg: Any,
+              autocast: Callable[[], contextlib.AbstractContextManager], precision: str = "no") -> torch.Tensor:
+    """The training loss of one micro-batch ``ids, labels (batch, seq)`` (on the student's device) under ``cfg``
+    (a :class:`~qrecover.recovery.config.RecoverConfig`): the student's forward (with gradients), the teacher's
+    (none) for 'kd'/'mix', and :func:`chunked_loss` with ``cfg.loss_chunk`` positions per chunk; or, with
+    ``loss_chunk == 0`` or a model whose head :func:`output_head` cannot reproduce, :func:`loss_fn` on full logits.
+
+    ``autocast()``: the training loop's mixed-precision context; ``precision``: what it resolved to ("bf16"/"no"),
+    which decides whether the teacher is cast to bf16 on CUDA (:func:`place_teacher`, ``cfg.teacher_device``).
+    """
+    use_teacher = teacher is not None and cfg.objective != "ce"
+    t_dev = place_teacher(teacher, ids.device, precision, cfg.teacher_device) if use_teacher else None
+    chunk = int(cfg.loss_chunk)
+    s_head = output_head(model, ids) if chunk > 0 else None
+    t_head = output_head(teacher, ids.to(t_dev)) if use_teacher and s_head is not None else None
+    if s_head is None or (use_teacher and t_head is None):
+        teacher_logits = None
+        if use_teacher:
+            with torch.no_grad(), autocast():
+                teacher_logits = teacher(input_ids=ids.to(t_dev), use_cache=False).logits.to(ids.device)
+        with autocast():
+            logits = model(input_ids=ids, use_cache=False).logits
+            return loss_fn(cfg.objective, logits, labels, teacher_logits, cfg.kd_weight, cfg.temperature)
+    teacher_hidden = None
+    if use_teacher:
+        with torch.no_grad(), autocast():
+            teacher_hidden = hidden_states(teacher, ids.to(t_dev))
+    head_trains = any(p.requires_grad for p in _unwrap(model).get_output_embeddings().parameters())
+    with autocast():
+        hidden = hidden_states(model, ids)
+        return chunked_loss(cfg.objective, hidden, labels, s_head, teacher_hidden, t_head, cfg.kd_weight,
+                            cfg.temperature, chunk, fused=not head_trains)

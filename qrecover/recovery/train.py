@@ -50,8 +50,8 @@ from ..errors import QRecoverError
 from ..io_utils import atomic_file
 from ..progress import progress
 from ..qlinear import QuantLinear
+from . import objective
 from .config import RecoverConfig
-from .objective import loss_fn
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
@@ -205,7 +205,8 @@ def _progress(show: bool):
 
 # Settings that only say how a step is executed (not what it computes): a resumed run may change them, the split of the
 # global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
-EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "gradient_checkpointing", "cache_dequantized")
+EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "gradient_checkpointing", "cache_dequantized", "loss_chunk",
+                    "teacher_device")
 
 
 def checkpoint_world(state: dict[str, Any]) -> int:
@@ -318,7 +319,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         optimizer, num_warmup_steps=round(cfg.warmup * steps), num_training_steps=steps, min_lr_rate=cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
-        teacher.to(accelerator.device).eval().requires_grad_(False)
+        objective.place_teacher(teacher, accelerator.device, precision, cfg.teacher_device)
+        teacher.eval().requires_grad_(False)
 
     # --- resume: adapter, optimizer, scheduler, data position and RNG exactly as they were ----------------
     step, tokens, history = 0, 0, []
@@ -369,13 +371,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             for i, (ids, labels) in enumerate(micro):
                 _set_grad_sync(model, i == len(micro) - 1)  # gradients all-reduced once per step
                 ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
-                teacher_logits = None
-                if teacher is not None and cfg.objective != "ce":
-                    with torch.no_grad(), autocast():
-                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits
-                with autocast():
-                    logits = model(input_ids=ids, use_cache=False).logits
-                    loss = loss_fn(cfg.objective, logits, labels, teacher_logits, cfg.kd_weight, cfg.temperature)
+                loss = objective.step_loss(model, teacher, ids, labels, cfg, autocast, precision)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(run_dir)
                     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
