@@ -445,3 +445,37 @@ def test_merged_compressed_tensors_export_loads_with_the_merged_models_logits(sy
     got, ref = _logits(_ct_model(tmp_path / "ct")), _logits(model)
     assert (ref - _logits(load(sym_ckpt))).abs().max() > 1e-3  # the merge changed the model
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), float((got - ref).abs().max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
+                    reason="coremltools is not installed (pip install 'qrecover[export-coreml]')")
+def test_merged_coreml_package_holds_the_merged_palettized_tables(tiny_ckpt, tmp_path):
+    """Palettized layers re-quantized by the merge (with calibration statistics) stay palettized: the package's
+    tables and indices are the merged model's, group by group."""
+    from transformers import AutoTokenizer
+
+    from qrecover.export.coreml import palettized_groups, read_tables
+
+    torch.manual_seed(2)
+    model = attach_lora(load(tiny_ckpt), rank=4)
+    with torch.no_grad():
+        for mod in lora_modules(model).values():
+            mod.lora_B["default"].weight.normal_(0, 0.05)
+    adapter_dir = tmp_path / "lora"
+    save_adapter(model, adapter_dir, base_identity(tiny_ckpt), model.qrecover_manifest["parameters"]["model"])
+    rep = export(tiny_ckpt, "coreml", tmp_path / "cm", adapter=adapter_dir, merge_adapter=True, **MERGE_KW)
+    ckpt = read_checkpoint(tiny_ckpt)
+    with pytest.warns(UserWarning):
+        merged = merge_and_unload(load(tiny_ckpt, adapter=adapter_dir),
+                                  calibration_windows(ckpt, AutoTokenizer.from_pretrained(tiny_ckpt), 2))
+    packed = {n: m.packed for n, m in merged.named_modules() if isinstance(m, QuantLinear)}
+    tables = read_tables(tmp_path / "cm" / "model.mlpackage")
+    changed = 0
+    for n, qw in packed.items():
+        (lut, idx), = [v for k, v in tables.items() if k.startswith(rep["layers"][n]["coreml"])]
+        g, ref_tables, codes = palettized_groups(qw)
+        o, i = codes.shape
+        assert np.array_equal(lut.reshape(o // g, -1).astype(np.float16), ref_tables), n
+        assert np.array_equal(idx.reshape(o, i), codes), n
+        changed += not torch.equal(qw.dequantize(), ckpt.layers[n].dequantize())
+    assert changed == len(packed) - rep["merge"]["layers_kept_original"] and changed > 0

@@ -63,7 +63,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
     adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
     if fmt == "coreml" and adapter is not None and not merge_adapter:
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
-                            "export the adapter with --format gguf or compressed-tensors")
+                            "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
     merge = None
     if merge_adapter:

@@ -17,9 +17,16 @@ a per-channel layer is one block of ``I``):
 
 The exact types' blocks are assembled from qrecover's own codes and scales (``gguf.quants`` quantizes only
 from floats, which would re-round); each is checked after writing against ``gguf.quants.dequantize``.
-Norms and other 16-bit tensors are written as F32 (exact). Llama's q/k rows are permuted as llama.cpp's
-converter does (transformers' GGUF loader undoes it). A tied output projection is not written (llama.cpp
-and transformers use ``token_embd``).
+Norms and other 16-bit tensors (biases) are written as F32 (exact). A tied output projection is not written
+(llama.cpp and transformers use ``token_embd``).
+
+Architectures (:data:`ARCHS`): Llama and Mistral as llama.cpp's ``llama`` (q/k rows and biases permuted as
+llama.cpp's converter does, transformers' GGUF loader undoes it); Qwen2 as ``qwen2`` (q/k/v biases, NeoX rotary:
+no permutation); Gemma-2 / Gemma-3 text as ``gemma2`` / ``gemma3``: their RMSNorms compute ``x * (1 + w)`` and
+llama.cpp multiplies by the stored weight, so every ``*norm.weight`` (q/k norms included) is written as
+``1 + w`` in float32 (as llama.cpp's converter does; transformers' loader subtracts 1), head size as
+``attention.key_length``, the sliding window, and Gemma-2's attention / final logit soft-capping. Other
+architectures are refused by name.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def merged_checkpoint(ckpt: Checkpoint, adapter: str | Path, merge_windows: int 
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(ckpt.path)
     calib = calibration_windows(ckpt, tok, merge_windows)
-    model = load(ckpt.path, adapter=adapter)
+    model = load(ckpt.path, adapter=adapter, cache=True)  # dense copies for the evaluations (set_packed drops a merged layer's)
     reference, ref_note = reference_model(ckpt)
     log(f"measuring the merge cost on {eval_windows} held-out windows x {COST_SEQ_LEN} tokens"
         + (f" (KL to {ref_note})" if reference is not None else f" ({ref_note})"))
@@ -141,9 +141,12 @@ def cost_lines(merge: dict[str, Any]) -> list[str]:
         lines.append(f"  KL to the unquantized model {row('kl')} nats/token")
     kept = c["kept"]
     n = len(merge["layers"])
-    lines.append(f"  the merge keeps {'n/a' if kept is None or math.isnan(kept) else f'{100 * kept:.0f}%'} of the adapter's "
-                 f"gain ({c['kept_on']}); {merge['layers_kept_original']}/{n} layers kept their packed weights "
-                 "(re-quantizing was worse than not merging)")
+    if kept is None or math.isnan(kept):
+        lines.append(f"  the adapter does not lower {c['kept_on']} on these windows: no gain for the merge to keep")
+    else:
+        lines.append(f"  the merge keeps {100 * kept:.0f}% of the adapter's gain ({c['kept_on']})")
+    lines.append(f"  {merge['layers_kept_original']}/{n} adapted layers kept their packed weights (re-quantizing "
+                 "them was further from base + adapter than not merging)")
     if kept is None or kept < 0.9:
         lines.append("  -> prefer exporting the adapter unmerged: --adapter without --merge-adapter")
     return lines
