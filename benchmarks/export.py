@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from qrecover import api  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
-from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.data import token_windows  # noqa: E402
+from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
 from qrecover.recovery.lora import attach_lora, base_identity, init_error_svd, save_adapter  # noqa: E402
@@ -130,7 +130,8 @@ def main() -> None:
 
     rows.append(merged_row(checkpoint(MERGED), out, windows, args.merge_cost_windows or windows, ppl))
     out.mkdir(parents=True, exist_ok=True)
-    (out.parent / ("export_merged.json" if args.only_merged else "export.json")).write_text(json.dumps({"windows": windows, "seq_len": 512, "rows": rows}, indent=1, default=str))
+    result = json.dumps({"windows": windows, "seq_len": 512, "rows": rows}, indent=1, default=str)
+    (out.parent / ("export_merged.json" if args.only_merged else "export.json")).write_text(result)
     print("\n| checkpoint | format | size (bytes) | bpw | exact layers | weight rel. error | ppl | checkpoint ppl | export s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

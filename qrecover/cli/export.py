@@ -47,7 +47,8 @@ def export(
     from ..export import export as run
 
     report = run(checkpoint, fmt, out, adapter=adapter, merge_adapter=merge_adapter, requantize=requantize,
-                 overwrite=overwrite, merge_windows=merge_windows, cost_windows=cost_windows, log=(lambda s: None) if json_out else (lambda s: console.print(escape(s), highlight=False)))
+                 overwrite=overwrite, merge_windows=merge_windows, cost_windows=cost_windows,
+                 log=(lambda s: None) if json_out else (lambda s: console.print(escape(s), highlight=False)))
     if json_out:
         emit_json(report)
         return

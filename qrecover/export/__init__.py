@@ -110,3 +110,6 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         report["seconds"] = round(time.time() - t0, 1)
         write_meta(tmp, report)
     return report
+
+
+__all__ = ["FORMATS", "cost_lines", "export"]
