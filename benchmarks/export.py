@@ -9,6 +9,13 @@ can load it (not for asymmetric layers with compressed-tensors 0.20, see docs/ex
 
     python benchmarks/export.py              # 16 windows x 512 tokens
     python benchmarks/export.py --quick      # 4 windows
+    python benchmarks/export.py --only-merged  # only the --merge-adapter row
+
+The merged row: a rank-16 SVD-initialised adapter (each ``B A`` the input-weighted rank-16 approximation of its
+layer's quantization error, ``qrecover recover --init svd`` before training) on the symmetric 4-bit checkpoint,
+exported to GGUF with ``--merge-adapter``; the export's own merge report gives the cost (perplexity and KL to the
+unquantized model of the checkpoint without the adapter / with it unmerged / merged, on --merge-cost-windows
+held-out windows); the GGUF's perplexity is then measured like the other rows.
 
 Writes benchmarks/out/export.json and prints a markdown table.
 """
@@ -31,8 +38,11 @@ sys.path.insert(0, str(ROOT))
 from qrecover import api  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
+from qrecover.data import token_windows  # noqa: E402
 from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
+from qrecover.models import load_model  # noqa: E402
+from qrecover.recovery.lora import attach_lora, base_identity, init_error_svd, save_adapter  # noqa: E402
 
 CHECKPOINTS = {
     "blockwise 4-bit b32 asym": dict(scheme="blockwise", scheme_params={"block_size": 32, "symmetric": False}),
@@ -47,6 +57,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "export"))
     ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
                     help="use an existing checkpoint for a row instead of compressing (names: " + ", ".join(CHECKPOINTS) + ")")
+    ap.add_argument("--only-merged", action="store_true", help="only the --merge-adapter row")
+    ap.add_argument("--merge-cost-windows", type=int, default=None, help="held-out windows of the merge report (default: "
+                                                                          "as many as the perplexity rows)")
     args = ap.parse_args()
     windows = 4 if args.quick else 16
     out = Path(args.out)
@@ -57,13 +70,19 @@ def main() -> None:
         r = api.perplexity(model, tok, windows=windows, seq_len=512, show_progress=False)
         return r["ppl"]
 
-    for label, spec in CHECKPOINTS.items():
+    def checkpoint(label: str) -> Path:
         ckpt = Path(given.get(label) or out / label.replace(" ", "-"))
         if not (ckpt / "qrecover.json").is_file():
             t = time.time()
-            api.compress(CompressConfig(bpw=None, bits=[4], embedding_bits="8", calib_samples=8, **spec), out=ckpt,
-                         show_progress=False)
+            api.compress(CompressConfig(bpw=None, bits=[4], embedding_bits="8", calib_samples=8, **CHECKPOINTS[label]),
+                         out=ckpt, show_progress=False)
             print(f"compressed {label} in {time.time() - t:.0f} s", flush=True)
+        return ckpt
+
+    for label, spec in CHECKPOINTS.items():
+        if args.only_merged:
+            break
+        ckpt = checkpoint(label)
         manifest = read_manifest(ckpt)
         model, tok, _ = api.load_any(str(ckpt))
         base_ppl = ppl(model, tok)
@@ -109,8 +128,10 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
 
+    rows.append(merged_row(checkpoint(MERGED), out, windows, args.merge_cost_windows or windows, ppl))
     out.mkdir(parents=True, exist_ok=True)
-    (out.parent / "export.json").write_text(json.dumps({"windows": windows, "seq_len": 512, "rows": rows}, indent=1, default=str))
+    result = json.dumps({"windows": windows, "seq_len": 512, "rows": rows}, indent=1, default=str)
+    (out.parent / ("export_merged.json" if args.only_merged else "export.json")).write_text(result)
     print("\n| checkpoint | format | size (bytes) | bpw | exact layers | weight rel. error | ppl | checkpoint ppl | export s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -120,6 +141,47 @@ def main() -> None:
         p = f"{r['ppl']:.3f}" if r.get("ppl") else r.get("note", "-")
         print(f"| {r['checkpoint']} | {r['format']} | {r['bytes']:,} | {r['bpw']:.3f} | {r['exact']} | "
               f"{r['rel_error']:.2e} | {p} | {r['ckpt_ppl']:.3f} | {r['seconds'] if r['seconds'] is not None else '-'} |")
+    for r in rows:
+        if "merge_cost" in r:
+            c = r["merge_cost"]
+            print(f"\nmerge cost ({r['merge_cost_windows']} held-out windows x 512; base / unmerged / merged): "
+                  f"ppl {c['base']['ppl']:.3f} / {c['unmerged']['ppl']:.3f} / {c['merged']['ppl']:.3f}; "
+                  f"KL {c['base'].get('kl', float('nan')):.4f} / {c['unmerged'].get('kl', float('nan')):.4f} / "
+                  f"{c['merged'].get('kl', float('nan')):.4f}; kept {c['kept']}; merge {r['merge_seconds']} s")
+
+
+MERGED = "blockwise 4-bit b32 sym"
+
+
+def merged_row(ckpt: Path, out: Path, windows: int, cost_windows: int, ppl) -> dict:
+    """The --merge-adapter row: an SVD-initialised rank-16 adapter of ``ckpt`` merged and exported to GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    adapter = out / "svd-r16-adapter"
+    if not (adapter / "adapter_config.json").is_file():
+        t = time.time()
+        peft_model = attach_lora(api.load(ckpt), rank=16)
+        teacher, tok, _ = load_model(None)
+        info = init_error_svd(peft_model, teacher, token_windows(tok, "python-docs", "calib", 8, 512))
+        del teacher
+        save_adapter(peft_model, adapter, base_identity(ckpt), peft_model.qrecover_manifest["parameters"]["model"])
+        print(f"svd-initialised rank-16 adapter in {time.time() - t:.0f} s (captures {info['_total']:.2f} of the "
+              "output error)", flush=True)
+        del peft_model
+        gc.collect()
+    dest = out / f"{MERGED.replace(' ', '-')}.merged-svd-r16.gguf"
+    rep = export(ckpt, "gguf", dest, adapter=adapter, merge_adapter=True, overwrite=True, cost_windows=cost_windows)
+    m = AutoModelForCausalLM.from_pretrained(dest, gguf_file=rep["file"], dtype=torch.float32)
+    m.eval()
+    _, tok, _ = api.load_any(str(ckpt))
+    row = {"checkpoint": MERGED + " + svd r16 adapter", "format": "gguf (--merge-adapter)",
+           "bytes": (dest / rep["file"]).stat().st_size, "bpw": rep["bpw"], "ckpt_ppl": rep["merge"]["cost"]["base"]["ppl"],
+           "exact": f"{rep['exact_layers']}/{rep['total_layers']}", "rel_error": rep["total_rel_error"],
+           "seconds": rep["seconds"], "ppl": ppl(m, tok), "merge_cost": rep["merge"]["cost"],
+           "merge_cost_windows": cost_windows, "merge_seconds": rep["merge"]["seconds"],
+           "layers_kept_original": rep["merge"]["layers_kept_original"], "merged_layers": len(rep["merge"]["layers"])}
+    print(json.dumps(row, default=str), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -10,12 +10,17 @@ import pytest
 import torch
 from cli_helpers import run
 
-from qrecover.api import compress, load
+from qrecover.api import compress, load, perplexity
 from qrecover.config import CompressConfig
 from qrecover.export import export
 from qrecover.export.common import integer_layout, read_checkpoint
 from qrecover.export.gguf_format import encode_q4, map_layer, row_permutation
-from qrecover.recovery.lora import attach_lora, base_identity, save_adapter
+from qrecover.export.merge import calibration_windows
+from qrecover.models import load_model
+from qrecover.qlinear import QuantLinear
+from qrecover.recovery.lora import attach_lora, base_identity, lora_modules, lowrank_correction, save_adapter
+from qrecover.recovery.peft_quant import merge_and_unload
+from qrecover.reports.agreement import KLProbe
 from qrecover.schemes import get_quantizer
 
 HAS_CT = importlib.util.find_spec("compressed_tensors") is not None
@@ -215,8 +220,13 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(sym_ckpt, asym_ckpt, ad
     out.rmdir()
     code, _, err = run(["export", sym_ckpt, "--format", "onnx", "--out", out], capsys)
     assert code == 2 and "gguf, compressed-tensors, coreml" in _flat(err)
-    code, _, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter, "--merge-adapter"], capsys)
-    assert code == 2 and "--merge-adapter is not available" in _flat(err)
+    code, _, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--merge-adapter"], capsys)
+    assert code == 2 and "--merge-adapter needs --adapter" in _flat(err) and _flat(err).count("error:") == 1
+    code, _, err = run(["export", asym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter, "--merge-adapter"], capsys)
+    assert code == 2 and "was trained on checkpoint" in _flat(err)
+    code, _, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--adapter", adapter, "--merge-adapter",
+                        "--merge-windows", "0"], capsys)
+    assert code == 2 and "--merge-windows 0" in _flat(err)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "compressed_tensors" else real(name, *a))
     code, _, err = run(["export", sym_ckpt, "--format", "compressed-tensors", "--out", out], capsys)
@@ -340,3 +350,132 @@ def test_coreml_package_holds_the_checkpoints_own_tables_and_indices(tiny_ckpt, 
         assert np.array_equal(idx.reshape(o, i), codes), n
     emb = rep["layers"]["model.embed_tokens"]
     assert emb["type"] == "fp16" and 0 < emb["rel_error"] < 1e-3
+
+
+# --- --merge-adapter --------------------------------------------------------------------------------------
+
+MERGE_KW = dict(merge_windows=2, cost_windows=2)
+
+
+def _cost(model, tok, reference):
+    """Held-out perplexity and KL to ``reference`` as the merge report measures them (2 windows x 512 tokens)."""
+    probe = KLProbe(model, reference)
+    r = perplexity(probe, tok, windows=2, seq_len=512, show_progress=False)
+    return r["ppl"], probe.result()["kl"]
+
+
+@pytest.fixture(scope="module")
+def svd_adapter(sym_ckpt, tiny_model_dir, tmp_path_factory):
+    """A recovery-like adapter: each ``scaling * B A`` the rank-4 SVD of its layer's quantization error (it brings
+    the checkpoint nearer the original model, so the merge has a gain to keep or lose)."""
+    original = dict(load_model(str(tiny_model_dir))[0].named_modules())
+    model = attach_lora(load(sym_ckpt), rank=4)
+    with torch.no_grad():
+        for name, mod in lora_modules(model).items():
+            err = original[name].weight - mod.get_base_layer().packed.dequantize()
+            b, a = lowrank_correction(err, None, 4, mod.scaling["default"])
+            mod.lora_A["default"].weight.copy_(a.float())
+            mod.lora_B["default"].weight.copy_(b.float())
+    out = tmp_path_factory.mktemp("adapter") / "svd"
+    save_adapter(model, out, base_identity(sym_ckpt), model.qrecover_manifest["parameters"]["model"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged_reference(sym_ckpt, svd_adapter, tiny_model_dir):
+    """What the export must reproduce: ``merge_and_unload`` on ``qrecover.load(..., adapter=)``, and the cost of
+    base / unmerged / merged measured here independently."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sym_ckpt)
+    reference = load_model(str(tiny_model_dir))[0]
+    peft_model = load(sym_ckpt, adapter=svd_adapter)
+    with torch.no_grad():
+        with peft_model.disable_adapter():
+            base = _cost(peft_model, tok, reference)
+        unmerged = _cost(peft_model, tok, reference)
+        with pytest.warns(UserWarning):
+            model = merge_and_unload(peft_model, calibration_windows(read_checkpoint(sym_ckpt), tok, 2))
+        merged = _cost(model, tok, reference)
+    return model, {"base": base, "unmerged": unmerged, "merged": merged}
+
+
+def test_merged_gguf_export_is_merge_and_unload_and_reports_the_measured_cost(sym_ckpt, svd_adapter, merged_reference,
+                                                                              tmp_path, capsys):
+    model, cost = merged_reference
+    out = tmp_path / "g"
+    code, stdout, err = run(["export", sym_ckpt, "--format", "gguf", "--out", out, "--adapter", svd_adapter, "--merge-adapter",
+                             "--merge-windows", "2", "--cost-windows", "2"], capsys)
+    assert code == 0, err
+    rep = json.loads((out / "qrecover_export.json").read_text())
+    merge = rep["merge"]
+    for k in ("base", "unmerged", "merged"):  # the reported numbers are the measured ones
+        assert merge["cost"][k]["ppl"] == pytest.approx(cost[k][0], rel=1e-6), k
+        assert merge["cost"][k]["kl"] == pytest.approx(cost[k][1], rel=1e-5), k
+    (kb, ku, km) = (cost[k][1] for k in ("base", "unmerged", "merged"))
+    assert ku < 0.8 * kb  # the SVD adapter recovers part of the quantization loss
+    kept = (kb - km) / (kb - ku)
+    assert merge["cost"]["kept"] == pytest.approx(kept, rel=1e-4)
+    flat = _flat(stdout + err)  # the console writes to stderr
+    assert "MERGE COST" in flat and f"{cost['merged'][0]:.4g}" in flat and "KL to the unquantized model" in flat
+    assert f"keeps {100 * kept:.0f}% of the adapter's gain" in flat
+    assert ("prefer exporting the adapter unmerged" in flat) == (kept < 0.9)
+    assert not (out / "adapter").exists()  # merged: in the weights, not beside them
+    # the export holds the merged packed weights: every layer Q4_0/Q8_0 exact, equal bit for bit to merge_and_unload's
+    ckpt = read_checkpoint(sym_ckpt)
+    merged_layers = {n: m.packed.dequantize() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert rep["exact_layers"] == rep["total_layers"]
+    _, layers = _read_gguf_layers(out / "model.gguf", ckpt)
+    changed = 0
+    for n, (w, _) in layers.items():
+        ref = merged_layers.get(n, ckpt.layers[n].dequantize())
+        assert torch.equal(w, ref), n
+        changed += not torch.equal(w, ckpt.layers[n].dequantize())
+    kept = merge["layers_kept_original"]
+    assert changed == 14 - kept and changed > 0
+    assert merge["layers"].keys() == merged_layers.keys()
+
+
+@needs_ct
+def test_merged_compressed_tensors_export_loads_with_the_merged_models_logits(sym_ckpt, svd_adapter, merged_reference,
+                                                                               tmp_path):
+    model, cost = merged_reference
+    rep = export(sym_ckpt, "compressed-tensors", tmp_path / "ct", adapter=svd_adapter, merge_adapter=True, **MERGE_KW)
+    assert rep["merge"]["cost"]["merged"]["ppl"] == pytest.approx(cost["merged"][0], rel=1e-6)
+    got, ref = _logits(_ct_model(tmp_path / "ct")), _logits(model)
+    assert (ref - _logits(load(sym_ckpt))).abs().max() > 1e-3  # the merge changed the model
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), float((got - ref).abs().max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
+                    reason="coremltools is not installed (pip install 'qrecover[export-coreml]')")
+def test_merged_coreml_package_holds_the_merged_palettized_tables(tiny_ckpt, tmp_path):
+    """Palettized layers re-quantized by the merge (with calibration statistics) stay palettized: the package's
+    tables and indices are the merged model's, group by group."""
+    from transformers import AutoTokenizer
+
+    from qrecover.export.coreml import palettized_groups, read_tables
+
+    torch.manual_seed(2)
+    model = attach_lora(load(tiny_ckpt), rank=4)
+    with torch.no_grad():
+        for mod in lora_modules(model).values():
+            mod.lora_B["default"].weight.normal_(0, 0.05)
+    adapter_dir = tmp_path / "lora"
+    save_adapter(model, adapter_dir, base_identity(tiny_ckpt), model.qrecover_manifest["parameters"]["model"])
+    rep = export(tiny_ckpt, "coreml", tmp_path / "cm", adapter=adapter_dir, merge_adapter=True, **MERGE_KW)
+    ckpt = read_checkpoint(tiny_ckpt)
+    with pytest.warns(UserWarning):
+        merged = merge_and_unload(load(tiny_ckpt, adapter=adapter_dir),
+                                  calibration_windows(ckpt, AutoTokenizer.from_pretrained(tiny_ckpt), 2))
+    packed = {n: m.packed for n, m in merged.named_modules() if isinstance(m, QuantLinear)}
+    tables = read_tables(tmp_path / "cm" / "model.mlpackage")
+    changed = 0
+    for n, qw in packed.items():
+        (lut, idx), = [v for k, v in tables.items() if k.startswith(rep["layers"][n]["coreml"])]
+        g, ref_tables, codes = palettized_groups(qw)
+        o, i = codes.shape
+        assert np.array_equal(lut.reshape(o // g, -1).astype(np.float16), ref_tables), n
+        assert np.array_equal(idx.reshape(o, i), codes), n
+        changed += not torch.equal(qw.dequantize(), ckpt.layers[n].dequantize())
+    assert changed == len(packed) - rep["merge"]["layers_kept_original"] and changed > 0

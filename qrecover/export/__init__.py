@@ -18,6 +18,9 @@ from typing import Any, Callable
 from ..errors import QRecoverError
 from ..io_utils import atomic_dir
 from .common import check_adapter, parse_requantize, read_checkpoint, write_binding, write_meta
+from .compressed_tensors import plan
+from .gguf_format import arch_of
+from .merge import cost_lines, merged_checkpoint
 
 FORMATS = ("gguf", "compressed-tensors", "coreml")
 ADAPTER_DIR = "adapter"
@@ -34,30 +37,42 @@ def _require(fmt: str) -> None:
 
 def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Path | None = None,
            merge_adapter: bool = False, requantize: str | None = None, overwrite: bool = False,
-           log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+           log: Callable[[str], None] = lambda s: None, merge_windows: int = 8, cost_windows: int = 8) -> dict[str, Any]:
     """Export ``checkpoint`` to ``fmt`` in the directory ``out``; return the report (also written as
     ``qrecover_export.json`` in ``out``). ``adapter``: a recovery adapter of this checkpoint, exported beside the
-    base under ``out/adapter``. ``requantize`` (``'int4/g64'``): compressed-tensors only, converts layers the
-    format cannot hold, reporting the measured loss."""
+    base under ``out/adapter``; with ``merge_adapter`` merged into the weights instead (each layer re-quantized with
+    its own encoding, statistics from ``merge_windows`` calibration windows), the measured cost on ``cost_windows``
+    held-out windows in ``report["merge"]`` (:mod:`.merge`). ``requantize`` (``'int4/g64'``): compressed-tensors
+    only, converts layers the format cannot hold, reporting the measured loss."""
     t0 = time.time()
     if fmt not in FORMATS:
         raise QRecoverError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     checkpoint, out = Path(checkpoint), Path(out)
     if out.exists() and not overwrite:
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
-    if merge_adapter:
-        raise QRecoverError("--merge-adapter is not available yet (it needs merging into quantized layers with their "
-                            "own encoding); export the adapter beside the base with --adapter instead")
+    if merge_adapter and adapter is None:
+        raise QRecoverError("--merge-adapter needs --adapter DIR (the recovery adapter to merge into the weights)")
+    if merge_adapter and (merge_windows < 1 or cost_windows < 1):
+        raise QRecoverError(f"--merge-windows {merge_windows} / --cost-windows {cost_windows}: both must be 1 or more "
+                            "(defaults 8 and 8)")
     if requantize is not None and fmt != "compressed-tensors":
         raise QRecoverError(f"--requantize applies to --format compressed-tensors; --format {fmt} converts the layers it "
                             "cannot hold by itself and reports the loss")
     spec = parse_requantize(requantize)
     _require(fmt)
     adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
-    if fmt == "coreml" and adapter is not None:
+    if fmt == "coreml" and adapter is not None and not merge_adapter:
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
-                            "export the adapter with --format gguf or compressed-tensors")
+                            "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
+    merge = None
+    if merge_adapter:
+        if fmt == "compressed-tensors" and spec is None:
+            plan(ckpt, None)  # refuses palettized layers before the merge (merged layers keep their encoding)
+        if fmt == "gguf":
+            arch_of(ckpt)  # refuses an unsupported architecture before the merge
+        ckpt, merge = merged_checkpoint(ckpt, adapter, merge_windows, cost_windows, log)
+        adapter = None  # in the weights now: not also exported beside them
     with atomic_dir(out, overwrite=overwrite) as tmp:
         if fmt == "gguf":
             from .gguf_format import export_gguf, export_gguf_adapter
@@ -86,6 +101,8 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
                 report["adapter"] = {"dir": ADAPTER_DIR, "layout": "PEFT (adapter_config.json + adapter_model.safetensors)"}
         if adapter is not None:
             report["adapter"]["binding"] = write_binding(tmp / ADAPTER_DIR, Path(adapter), adapter_meta, base_file, checkpoint)
+        if merge is not None:
+            report["merge"] = merge
         report.update({"format": fmt, "checkpoint": str(checkpoint.resolve()),
                        "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())})
         base_bytes = sum(p.stat().st_size for p in base_file.rglob("*") if p.is_file()) if base_file.is_dir() else base_file.stat().st_size
@@ -93,3 +110,6 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         report["seconds"] = round(time.time() - t0, 1)
         write_meta(tmp, report)
     return report
+
+
+__all__ = ["FORMATS", "cost_lines", "export"]

@@ -17,15 +17,23 @@ a per-channel layer is one block of ``I``):
 
 The exact types' blocks are assembled from qrecover's own codes and scales (``gguf.quants`` quantizes only
 from floats, which would re-round); each is checked after writing against ``gguf.quants.dequantize``.
-Norms and other 16-bit tensors are written as F32 (exact). Llama's q/k rows are permuted as llama.cpp's
-converter does (transformers' GGUF loader undoes it). A tied output projection is not written (llama.cpp
-and transformers use ``token_embd``).
+Norms and other 16-bit tensors (biases) are written as F32 (exact). A tied output projection is not written
+(llama.cpp and transformers use ``token_embd``).
+
+Architectures (:data:`ARCHS`): Llama and Mistral as llama.cpp's ``llama`` (q/k rows and biases permuted as
+llama.cpp's converter does, transformers' GGUF loader undoes it); Qwen2 as ``qwen2`` (q/k/v biases, NeoX rotary:
+no permutation); Gemma-2 / Gemma-3 text as ``gemma2`` / ``gemma3``: their RMSNorms compute ``x * (1 + w)`` and
+llama.cpp multiplies by the stored weight, so every ``*norm.weight`` (q/k norms included) is written as
+``1 + w`` in float32 (as llama.cpp's converter does; transformers' loader subtracts 1), head size as
+``attention.key_length``, the sliding window, and Gemma-2's attention / final logit soft-capping. Other
+architectures are refused by name.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +45,36 @@ from .common import Checkpoint, integer_layout, relative_error
 
 GGUF_FILE = "model.gguf"
 ADAPTER_GGUF = "adapter.gguf"
-SUPPORTED_ARCH = {"LlamaForCausalLM": "llama"}
 _QK = 32
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one transformers architecture is written as a llama.cpp architecture.
+
+    ``gguf``: llama.cpp's architecture name (``general.architecture``, the key prefix); ``model_arch``: the
+    ``gguf.MODEL_ARCH`` member whose tensor-name map names the tensors; ``permute_qk``: q/k rows (and biases)
+    reordered for llama.cpp's interleaved rotary embedding (Llama's converter does it, the NeoX-rotary
+    families do not); ``norm_plus_one``: RMSNorm weights stored as ``1 + w`` (Gemma's ``x * (1 + w)`` norms:
+    llama.cpp multiplies by the stored weight); ``softcap``: writes Gemma-2's attention/final logit soft-capping.
+    """
+
+    gguf: str
+    model_arch: str
+    permute_qk: bool = False
+    norm_plus_one: bool = False
+    softcap: bool = False
+
+
+#: transformers architecture -> GGUF. Mistral is llama.cpp's ``llama`` architecture (as its converter writes it).
+ARCHS = {
+    "LlamaForCausalLM": GGUFArch("llama", "LLAMA", permute_qk=True),
+    "MistralForCausalLM": GGUFArch("llama", "LLAMA", permute_qk=True),
+    "Qwen2ForCausalLM": GGUFArch("qwen2", "QWEN2"),
+    "Gemma2ForCausalLM": GGUFArch("gemma2", "GEMMA2", norm_plus_one=True, softcap=True),
+    "Gemma3ForCausalLM": GGUFArch("gemma3", "GEMMA3", norm_plus_one=True),
+}
+SUPPORTED_ARCH = {k: v.gguf for k, v in ARCHS.items()}
 
 
 def _gguf():
@@ -48,7 +84,9 @@ def _gguf():
 
 
 def row_permutation(name: str, out_f: int, n_head: int, n_kv: int) -> np.ndarray | None:
-    """llama.cpp's q/k row order for Llama (rotary halves interleaved): an index array ``(out_f,)`` or None."""
+    """llama.cpp's q/k row order for Llama (rotary halves interleaved): an index array ``(out_f,)`` or None.
+    ``name``: the layer's name (or its bias's: ``...q_proj.bias``)."""
+    name = name.removesuffix(".bias").removesuffix(".weight")
     if name.endswith("self_attn.q_proj"):
         h = n_head
     elif name.endswith("self_attn.k_proj"):
@@ -187,34 +225,56 @@ def add_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> dict[str, Any]:
     return {"tokens": len(tokens), "merges": len(special.merges), "pre": pre, "chat_template": template is not None}
 
 
+def arch_of(ckpt: Checkpoint) -> GGUFArch:
+    """The checkpoint's :class:`GGUFArch`; a one-line error naming the supported architectures otherwise."""
+    arch = ckpt.manifest.get("architecture")
+    if arch not in ARCHS:
+        raise QRecoverError(f"GGUF export supports {', '.join(ARCHS)}; {str(ckpt.path)!r} is {arch!r}. "
+                            "Use --format compressed-tensors")
+    return ARCHS[arch]
+
+
 def _arch_config(ckpt: Checkpoint):
     from transformers import AutoConfig
 
-    arch = ckpt.manifest.get("architecture")
-    if arch not in SUPPORTED_ARCH:
-        raise QRecoverError(f"GGUF export supports {sorted(SUPPORTED_ARCH)} checkpoints; {str(ckpt.path)!r} is {arch!r}. "
-                            "Use --format compressed-tensors")
-    return AutoConfig.from_pretrained(ckpt.path)
+    return arch_of(ckpt), AutoConfig.from_pretrained(ckpt.path)
+
+
+def _heads(cfg) -> tuple[int, int, int]:
+    n_head = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
+    return n_head, n_kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+
+
+def remainder_tensor(name: str, value: torch.Tensor, arch: GGUFArch, n_head: int, n_kv: int) -> np.ndarray:
+    """A 16-bit tensor (norm, bias) as the F32 array llama.cpp expects: Gemma's norms as ``1 + w``, q/k biases in
+    the permuted row order of a ``permute_qk`` architecture."""
+    v = value.float()
+    if arch.norm_plus_one and name.endswith("norm.weight"):
+        v = v + 1.0  # float32: within float32 rounding of 1 + w (w was fp16)
+    if arch.permute_qk and name.endswith(".bias") and (perm := row_permutation(name, v.shape[0], n_head, n_kv)) is not None:
+        v = v[torch.from_numpy(perm)]
+    return v.numpy()
 
 
 def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     """Write ``tmp/model.gguf``; return the per-layer report."""
     gguf = _gguf()
     t0 = time.time()
-    cfg = _arch_config(ckpt)
-    n_layers, n_head = cfg.num_hidden_layers, cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    arch, cfg = _arch_config(ckpt)
+    n_layers = cfg.num_hidden_layers
+    n_head, n_kv, head_dim = _heads(cfg)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.model_arch), n_layers)
 
     def gname(hf: str) -> str:
         base, _, suffix = hf.rpartition(".")
         mapped = names.get_name(base)
         if mapped is None:
-            raise QRecoverError(f"tensor {hf!r} has no GGUF name for a Llama model; this checkpoint cannot be exported to GGUF")
+            raise QRecoverError(f"tensor {hf!r} has no GGUF name for a {arch.gguf} model; this checkpoint cannot be "
+                                "exported to GGUF")
         return f"{mapped}.{suffix}"
 
-    writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
+    writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch.gguf)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(Path(ckpt.manifest.get("source", {}).get("name") or ckpt.path.name).name)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -226,6 +286,16 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     writer.add_rope_freq_base(_rope_theta(cfg))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg.hidden_size // n_head or arch.norm_plus_one:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if getattr(cfg, "sliding_window", None) and arch.gguf != "llama":
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch.softcap:
+        if cfg.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        if cfg.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_vocab_size(cfg.vocab_size)
     tokenizer = add_tokenizer(writer, ckpt, cfg.vocab_size)
 
@@ -235,7 +305,7 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     for name, qw in ckpt.layers.items():
         m = map_layer(qw)
         data = m["data"]
-        perm = row_permutation(name, qw.shape[0], n_head, n_kv)
+        perm = row_permutation(name, qw.shape[0], n_head, n_kv) if arch.permute_qk else None
         if perm is not None:
             data = data[perm]
         gn = gname(f"{name}.weight")
@@ -254,7 +324,7 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
         blocks = f" ({m['exact_blocks'][0]}/{m['exact_blocks'][1]} blocks exact)" if "exact_blocks" in m else ""
         log(f"  {name:<40} -> {gn:<26} {m['type'].name:<5} {'exact' if m['exact'] else f'rel. error {rel:.2e}'}{blocks}")
     for k, v in ckpt.remainder.items():
-        writer.add_tensor(gname(k), v.float().numpy())
+        writer.add_tensor(gname(k), remainder_tensor(k, v, arch, n_head, n_kv))
     main = max(counts, key=counts.get)
     ftype = {"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
              "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[main]
@@ -275,14 +345,13 @@ def export_gguf_adapter(adapter: Path, ckpt: Checkpoint, tmp: Path) -> dict[str,
     gguf = _gguf()
     from safetensors import safe_open
 
-    cfg = _arch_config(ckpt)
+    arch, cfg = _arch_config(ckpt)
     acfg = json.loads((adapter / "adapter_config.json").read_text())
     if acfg.get("use_rslora") or acfg.get("use_dora"):
         raise QRecoverError(f"adapter {str(adapter)!r} uses rsLoRA/DoRA, which llama.cpp's LoRA GGUF cannot express")
-    n_head = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_head
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(tmp / ADAPTER_GGUF), "llama")
+    n_head, n_kv, _ = _heads(cfg)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.model_arch), cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(tmp / ADAPTER_GGUF), arch.gguf)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(acfg["lora_alpha"]))
@@ -297,7 +366,7 @@ def export_gguf_adapter(adapter: Path, ckpt: Checkpoint, tmp: Path) -> dict[str,
                     if mapped is None:
                         raise QRecoverError(f"adapter tensor {k!r} targets {mod!r}, which has no GGUF name")
                     t = f.get_tensor(k).float()
-                    if suffix == "lora_b" and (perm := row_permutation(mod, t.shape[0], n_head, n_kv)) is not None:
+                    if suffix == "lora_b" and arch.permute_qk and (perm := row_permutation(mod, t.shape[0], n_head, n_kv)) is not None:
                         t = t[torch.from_numpy(perm)]
                     writer.add_tensor(f"{mapped}.weight.{suffix}", t.numpy().astype(np.float32))
                     n += 1
