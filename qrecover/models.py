@@ -15,11 +15,14 @@ weights in memory, not the whole model.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import math
 import mmap
 import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -353,6 +356,26 @@ def _load_lazy(path: Path, config) -> nn.Module | None:
     return model
 
 
+def _libc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere). A layer's weights
+    are freed between small live allocations, so glibc keeps the pages: without this the process grows by
+    about one layer per layer read (measured: 2.3 GB instead of 0.4 GB after 48 reads of 56 MB layers)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def lazy_weights(model: nn.Module) -> LazyWeights | None:
     """The model's :class:`LazyWeights` when it was loaded lazily, else None."""
     return getattr(model, "qrecover_lazy", None)
@@ -372,7 +395,8 @@ def resident(model: nn.Module, module: nn.Module, device, keep: bool = False) ->
             module.to("cpu")
         return
     prefix = module_name(model, module) + "."
-    _set_params(module, prefix, lambda full, _old: store.read([full])[full].to(device))
+    loaded = store.read([own[0][0] for own in _owners(module, prefix, set()).values()])
+    _set_params(module, prefix, lambda full, _old: loaded.pop(full).to(device))
     _move_buffers(module, device)
     try:
         yield module
@@ -381,6 +405,7 @@ def resident(model: nn.Module, module: nn.Module, device, keep: bool = False) ->
     finally:
         _set_params(module, prefix, lambda _full, old: torch.empty(old.shape, dtype=old.dtype, device="meta"))
         _move_buffers(module, "cpu")
+        trim_heap()
 
 
 def state_tensors(model: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
