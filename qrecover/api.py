@@ -18,8 +18,7 @@ from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
-from .models import (count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve,
-                     state_tensors)
+from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
