@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens for the real loss")
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
-    prep = api.prepare(CompressConfig(), show_progress=False)
+    prep = api.prepare(CompressConfig(), show_progress=False, lazy=False)  # the model runs whole below
     model, tok = prep.model, prep.tokenizer
     ev = token_windows(tok, "python-docs", "eval", args.windows, 512)
 

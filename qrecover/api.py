@@ -18,7 +18,7 @@ from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
-from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve
+from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
@@ -98,13 +98,18 @@ class Prepared:
     transforms: dict[str, Any] | None = None
 
 
-def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
+def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) -> Prepared:
     """Stages ``transform`` -> ``calibrate`` -> ``candidates`` (see :mod:`qrecover.stages`): load, transform,
-    calibrate what the candidates need, and quantize every unit at every candidate encoding."""
+    calibrate what the candidates need, and quantize every unit at every candidate encoding.
+
+    ``lazy`` (the default): a safetensors model is loaded with one decoder layer in memory at a time (read
+    from disk when a stage reaches it, :func:`qrecover.models.load_model`); the result is bit-identical to
+    ``lazy=False``, which loads the whole model in fp32 first (as a GGUF source always is). A lazily loaded
+    ``Prepared.model`` holds its decoder layers on the meta device: it cannot run as a whole."""
     t0 = time.time()
     lin_encs, emb_all = _encodings(cfg)
     device = resolve_device(cfg.device)
-    model, tok, source = load_model(cfg.model)
+    model, tok, source = load_model(cfg.model, lazy=lazy)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     linears = {f"{prefix}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
@@ -165,7 +170,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True) -> Prepared:
             units[head_name]["results"] = quantize_unit(head.weight.detach().to(device), emb_encs, head_stats, hfn)
         bar.advance(task)
     quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
-    remainder = {k: v for k, v in model.state_dict().items() if k not in quantized}  # after the transform
+    remainder = state_tensors(model, [k for k in model.state_dict() if k not in quantized])  # after the transform
     calibration = {"source": cfg.calib_data, "split": "calib", "windows": cfg.calib_samples, "seq_len": cfg.seq_len,
                    "tokens": int(windows.numel()), "loss": grads["loss"] if grads is not None else None,
                    "computed": {"layer_stats": sorted(plan.layer), "gradients": plan.gradients, "damage": plan.damage},
@@ -179,12 +184,14 @@ _SAME = ("model", "calib_data", "calib_samples", "seq_len")
 
 
 def compress(config: CompressConfig | None = None, out: str | Path | None = None, overwrite: bool = False,
-             show_progress: bool = True, prepared: Prepared | None = None, **overrides: Any) -> dict[str, Any]:
+             show_progress: bool = True, prepared: Prepared | None = None, lazy: bool = True,
+             **overrides: Any) -> dict[str, Any]:
     """Compress a model to ``config.bpw`` bits per weight; write a checkpoint to ``out``; return its manifest.
 
     Stages ``allocate`` -> ``finalize`` -> ``write`` after :func:`prepare`'s. ``prepared`` (from
     :func:`prepare` with the same model and calibration, and candidates that include this config's) skips
-    the expensive stages, so one calibration serves several budgets and encoding subsets.
+    the expensive stages, so one calibration serves several budgets and encoding subsets. ``lazy``: see
+    :func:`prepare` (one decoder layer in memory at a time; same result).
     """
     cfg = config or CompressConfig(**overrides)
     t0 = time.time()
@@ -194,7 +201,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     lin_encs, emb_encs = _encodings(cfg)
     if prepared is None:
         _check_budget_early(cfg, lin_encs, emb_encs)
-        prepared = prepare(cfg, show_progress)
+        prepared = prepare(cfg, show_progress, lazy=lazy)
     p = prepared
     have_lin = p.units[next(n for n, u in p.units.items() if u["kind"] == "linear")]["cands"]
     emb_unit = next(u for u in p.units.values() if u["kind"] == "embedding")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .models import decoder_layers, linear_layers, module_name
+from .models import decoder_layers, lazy_weights, linear_layers, module_name, resident
 from .progress import progress
 
 
@@ -39,9 +39,11 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
     another device (CUDA) ``layerwise`` is the default: one decoder layer on the device at a time, forward
     through every layer (keeping each layer's input), then backward layer by layer from the loss; the same
     statistics (``layerwise`` needs the model's final norm, found as ``<base model>.norm``; without one the
-    whole model is moved to the device for the pass).
+    whole model is moved to the device for the pass). A lazily loaded model (:func:`qrecover.models.resident`)
+    always takes the layer-wise pass, each layer read from disk for its forward and again for its backward.
     """
-    layerwise = torch.device(device).type != "cpu" if layerwise is None else layerwise
+    if layerwise is None:
+        layerwise = torch.device(device).type != "cpu" or lazy_weights(model) is not None
     if layerwise and _final_norm(model) is not None:
         return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)))
     home = next(model.parameters()).device
@@ -86,11 +88,10 @@ def _layerwise_step(model: nn.Module, device: torch.device):
         x = x0.detach().to(device)
         with torch.no_grad():
             for layer in layers:
-                layer.to(device)
-                inputs.append(x)
-                y = layer(x, **kw)
-                x = y[0] if isinstance(y, tuple) else y
-                layer.to("cpu")
+                with resident(model, layer, device):
+                    inputs.append(x)
+                    y = layer(x, **kw)
+                    x = y[0] if isinstance(y, tuple) else y
         norm.to(device)
         head.to(device)  # (a tied output matrix is the embedding's: moved back below before the next window)
         try:
@@ -105,14 +106,11 @@ def _layerwise_step(model: nn.Module, device: torch.device):
             head.to("cpu")
         g = last.grad
         for layer, x in zip(reversed(layers), reversed(inputs)):
-            layer.to(device)
-            try:
+            with resident(model, layer, device):
                 xi = x.detach().requires_grad_(True)
                 y = layer(xi, **kw)
                 (y[0] if isinstance(y, tuple) else y).backward(g)
                 g = xi.grad
-            finally:
-                layer.to("cpu")
         x0.backward(g.to(x0.device))
         return loss.detach()
     return step

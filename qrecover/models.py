@@ -3,20 +3,36 @@
 Nothing here assumes Llama names: decoder layers are the ``nn.ModuleList`` as long as the config's
 ``num_hidden_layers``, their linear layers are found by type, embeddings through transformers'
 ``get_input_embeddings`` / ``get_output_embeddings``, and tying is read off the tensors themselves.
+
+Lazy loading (:func:`load_model` with ``lazy=True``, what compression uses for a safetensors directory):
+the model is built with its parameters on the meta device; everything outside the decoder layers (the
+embedding, final norm, output matrix: small next to the layers) is read at once, and each decoder layer's
+weights are read from the (possibly sharded) safetensors files only while :func:`resident` holds it, then
+dropped back to meta. A layer changed while resident (a function-preserving transform) is kept in a scratch
+safetensors file that later reads come from. So compressing a model needs about one decoder layer of
+weights in memory, not the whole model.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import math
 import mmap
 import struct
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .errors import QRecoverError
 from .io_utils import atomic_dir, cache_dir, sha256_file, sha256_files
@@ -183,8 +199,14 @@ def weights_sha256(path: str | Path, kind: str) -> str:
     return sha256_files(weights)
 
 
-def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
-    """Load an unquantized causal LM in fp32 for compression or evaluation: ``(model, tokenizer, source)``."""
+def load_model(spec: str | None, lazy: bool = False) -> tuple[nn.Module, object, ModelSource]:
+    """Load an unquantized causal LM in fp32 for compression or evaluation: ``(model, tokenizer, source)``.
+
+    ``lazy``: for a safetensors directory, build the model with its decoder layers' weights left on disk
+    (see the module docstring, :func:`resident`, :func:`lazy_weights`); a GGUF file, ``*.bin`` weights, or
+    files whose tensor names do not map one to one onto the model's (a checkpoint transformers renames on
+    loading) are loaded whole as without ``lazy``.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path, kind = resolve(spec)
@@ -197,7 +219,9 @@ def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
         config = AutoConfig.from_pretrained(path)
         arch = getattr(config, "architectures", None)
         try:
-            model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+            model, loading = (_load_lazy(path, config) if lazy else None), {}
+            if model is None:
+                model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
         except ValueError as e:
             raise QRecoverError(f"{str(path)!r} is not a causal language model ({arch}): {e}") from None
         if loading.get("missing_keys"):  # e.g. an encoder saved without an LM head: the head would be random
@@ -210,6 +234,188 @@ def load_model(spec: str | None) -> tuple[nn.Module, object, ModelSource]:
         name = DEFAULT_MODEL if kind == "default" else path.name
     model.eval()
     return model, tok, ModelSource(str(path.resolve()), kind, digest, name)
+
+
+# --- lazy loading ---------------------------------------------------------------------------------------
+
+
+def _safetensors_files(path: Path) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file holding it (a sharded model's ``model.safetensors.index.json``,
+    else every ``*.safetensors`` file's header), or None when the directory has no safetensors weights."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / f for k, f in weight_map.items()}
+    where: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            where.update({k: f for k in h.keys()})
+    return where or None
+
+
+class LazyWeights:
+    """A model's tensors read on demand from safetensors files, as float32 (``from_pretrained(dtype=float32)``
+    converts the same way). ``where``: tensor name -> file. Each read opens the files it needs and closes
+    them (memory-mapped only during the read, so the pages do not stay in the process). :meth:`keep` stores
+    changed tensors in a scratch directory (removed with this object) that later reads prefer."""
+
+    def __init__(self, where: dict[str, Path]):
+        self.where = dict(where)
+        self._scratch: tempfile.TemporaryDirectory | None = None
+        self._kept = 0
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """``{key: float32 tensor on the CPU}`` for every key (each a name in :attr:`where`)."""
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.where[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for f, names in by_file.items():
+            with safe_open(str(f), framework="pt") as h:
+                for k in names:
+                    t = h.get_tensor(k)
+                    out[k] = t.to(torch.float32) if t.is_floating_point() else t
+        return out
+
+    def keep(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Store ``tensors`` (by full name) so that later reads return them instead of the source's."""
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="qrecover-lazy-")
+        self._kept += 1
+        f = Path(self._scratch.name) / f"kept-{self._kept}.safetensors"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(f))
+        self.where.update({k: f for k in tensors})
+
+
+def _owners(module: nn.Module, prefix: str, skip: set[int]) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """``{id(parameter): [(full name, owning module, attribute)]}`` of every parameter under ``module``
+    (outside the modules whose ids are in ``skip``); a shared (tied) parameter is one entry with every owner."""
+    out: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mname, mod in module.named_modules(remove_duplicate=False):
+        if id(mod) in skip:
+            continue
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}", mod, attr))
+    return out
+
+
+def _set_params(module: nn.Module, prefix: str, make, skip: set[int] = frozenset()) -> None:
+    """Replace every parameter under ``module`` by ``make(full name, old parameter)`` (tied ones stay tied)."""
+    for owners in _owners(module, prefix, skip).values():
+        full, mod, attr = owners[0]
+        old = mod._parameters[attr]
+        new = nn.Parameter(make(full, old), requires_grad=old.requires_grad)
+        for _, m, a in owners:
+            m._parameters[a] = new
+
+
+def _move_buffers(module: nn.Module, device) -> None:
+    for mod in module.modules():
+        for n, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[n] = b.to(device)
+
+
+def _load_lazy(path: Path, config) -> nn.Module | None:
+    """The model of ``path`` with its decoder layers on the meta device and everything else loaded (fp32),
+    ``model.qrecover_lazy`` its :class:`LazyWeights`; None when this directory cannot be read lazily (no
+    safetensors files, a tensor name that does not map onto the model's, persistent buffers, or no final
+    norm for the layer-wise gradient pass)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    where = _safetensors_files(path)
+    if where is None:
+        return None
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # (skipped for meta parameters by from_config)
+    owners = _owners(model, "", set())
+    params = {full for own in owners.values() for full, _, _ in own}
+    if any(k not in params for k in model.state_dict()):
+        return None  # persistent buffers: from_pretrained's business
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(getattr(base, "norm", None), nn.Module):
+        return None  # the layer-wise gradient pass needs <base model>.norm (qrecover.calibrate)
+    for own in owners.values():
+        names = [full for full, _, _ in own]
+        found = [n for n in names if n in where]
+        if not found:
+            return None  # a name transformers would rename, or a missing tensor: the full load decides
+        where.setdefault(names[0], where[found[0]])  # a tied matrix saved under its other name
+    store = LazyWeights(where)
+    layers = decoder_layers(model)
+    _set_params(model, "", lambda full, _old: store.read([full])[full], {id(m) for m in layers.modules()})
+    model.qrecover_lazy = store
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # no generation_config.json: the config's defaults, as from_pretrained keeps
+    model.eval()
+    return model
+
+
+def _libc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere). A layer's weights
+    are freed between small live allocations, so glibc keeps the pages: without this the process grows by
+    about one layer per layer read (measured: 2.3 GB instead of 0.4 GB after 48 reads of 56 MB layers)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def lazy_weights(model: nn.Module) -> LazyWeights | None:
+    """The model's :class:`LazyWeights` when it was loaded lazily, else None."""
+    return getattr(model, "qrecover_lazy", None)
+
+
+@contextmanager
+def resident(model: nn.Module, module: nn.Module, device, keep: bool = False) -> Iterator[nn.Module]:
+    """``module`` (a decoder layer of ``model``) on ``device`` for the duration, then back: to the CPU for a
+    model loaded whole, back to the meta device (its weights dropped) for a lazily loaded one. ``keep``: the
+    block changes the weights and the change must last (lazily: written to the scratch file)."""
+    store = lazy_weights(model)
+    if store is None:
+        module.to(device)
+        try:
+            yield module
+        finally:
+            module.to("cpu")
+        return
+    prefix = module_name(model, module) + "."
+    loaded = store.read([own[0][0] for own in _owners(module, prefix, set()).values()])
+    _set_params(module, prefix, lambda full, _old: loaded.pop(full).to(device))
+    _move_buffers(module, device)
+    try:
+        yield module
+        if keep:
+            store.keep({own[0][0]: own[0][1]._parameters[own[0][2]] for own in _owners(module, prefix, set()).values()})
+    finally:
+        _set_params(module, prefix, lambda _full, old: torch.empty(old.shape, dtype=old.dtype, device="meta"))
+        _move_buffers(module, "cpu")
+        trim_heap()
+
+
+def state_tensors(model: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+    """``{key: tensor}`` of the model's state dict for ``keys``: read from disk where a lazily loaded model
+    holds them on the meta device."""
+    state = model.state_dict()
+    store = lazy_weights(model)
+    meta = [k for k in keys if state[k].is_meta]
+    got = store.read(meta) if (store is not None and meta) else {}
+    return {k: got.get(k, state[k]) for k in keys}
 
 
 # --- generic structure -------------------------------------------------------------------------------

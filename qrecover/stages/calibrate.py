@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..calibrate import capture_inputs, gradient_stats, layer_stats
-from ..models import decoder_layers, linear_layers, module_name
+from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from .specs import Encoding
 
@@ -54,19 +54,17 @@ def layer_pass(model: nn.Module, windows: torch.Tensor, want: frozenset[str],
                device, show_progress: bool, title: str = "calibrate + quantize: decoder layers") -> None:
     """For each decoder layer in turn: move it to ``device``, replay the calibration inputs through it
     collecting ``want``, call ``on_layer(index, layer, stats)`` (stats by the linear's full name), move it
-    back to the CPU; its outputs (unquantized weights) are the next layer's inputs."""
+    back to the CPU (a lazily loaded model's layer: drop its weights, :func:`qrecover.models.resident`); its
+    outputs (unquantized weights) are the next layer's inputs."""
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     hidden, kwargs = capture_inputs(model, windows, device)
     with progress() as bar:
         task = bar.add_task(title, total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
-            layer.to(device)
-            try:
+            with resident(model, layer, device):
                 lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
                 stats, hidden = layer_stats(layer, hidden, kwargs, lins, want)
                 on_layer(i, layer, stats)
                 del stats
-            finally:
-                layer.to("cpu")
             bar.advance(task)

@@ -6,7 +6,8 @@ in groups that share an input (q/k/v, then o, then gate/up, then down: "true seq
 statistics collected with the earlier groups already quantized. The first layer's inputs come from the
 quantized embedding. A quantizer that needs no input statistics (round-to-nearest) gives the same result on
 any input (it is re-quantized without a statistics pass); its dequantized weight still feeds the layers after it. The
-model's weights are restored afterwards (a :class:`~qrecover.api.Prepared` serves further budgets).
+model's weights are restored afterwards (a :class:`~qrecover.api.Prepared` serves further budgets); a lazily
+loaded model's layer is read from disk for its turn and dropped after (:func:`qrecover.models.resident`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
-from ..models import decoder_layers, linear_layers, module_name
+from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
 from ..sensitivity import linear_damage
@@ -56,32 +57,31 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     with progress() as bar:
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
-            layer.to(device)
-            lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
-            originals = {n: m.weight.data.clone() for n, m in lins.items()}
-            try:
-                for group in linear_groups(layer, hidden[0], kwargs[0], lins):
-                    want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
-                    stats = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=False,
-                                        hessian_dtype=torch.float32)[0] if want else {n: {} for n in group}
-                    cache: dict = {}
-                    for n in group:
-                        st = dict(stats[n])
-                        if out_grad_sq is not None:
-                            st["out_grad_sq"] = out_grad_sq[n].to(device)
-                        w = lins[n].weight
-                        qw, _ = quantize_unit(w, [chosen[n]], st, None, cache)[0]
-                        deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
-                        if "hessian" in st and out_grad_sq is not None:
-                            damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
-                        result[n] = qw
-                        w.data.copy_(deq)  # the next groups and layers see the quantized layer
-                    del stats
-                hidden = forward_layer(layer, hidden, kwargs)
-            finally:
-                for n, m in lins.items():
-                    m.weight.data.copy_(originals[n])
-                layer.to("cpu")
+            with resident(model, layer, device):
+                lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
+                originals = {n: m.weight.data.clone() for n, m in lins.items()}
+                try:
+                    for group in linear_groups(layer, hidden[0], kwargs[0], lins):
+                        want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
+                        stats = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=False,
+                                            hessian_dtype=torch.float32)[0] if want else {n: {} for n in group}
+                        cache: dict = {}
+                        for n in group:
+                            st = dict(stats[n])
+                            if out_grad_sq is not None:
+                                st["out_grad_sq"] = out_grad_sq[n].to(device)
+                            w = lins[n].weight
+                            qw, _ = quantize_unit(w, [chosen[n]], st, None, cache)[0]
+                            deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
+                            if "hessian" in st and out_grad_sq is not None:
+                                damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
+                            result[n] = qw
+                            w.data.copy_(deq)  # the next groups and layers see the quantized layer
+                        del stats
+                    hidden = forward_layer(layer, hidden, kwargs)
+                finally:
+                    for n, m in lins.items():
+                        m.weight.data.copy_(originals[n])
             bar.advance(task)
     return result, {"mode": "true-sequential (groups sharing an input, in call order)", "damage": damage,
                     "seconds": round(time.time() - t0, 1)}

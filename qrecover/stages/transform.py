@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..calibrate import capture_inputs, forward_layer
-from ..models import decoder_layers
+from ..models import decoder_layers, resident
 from ..progress import progress
 from ..schemes import get_quantizer
 from ..transforms import get_transform
@@ -66,14 +66,11 @@ def apply_transforms(model: nn.Module, windows: torch.Tensor, encodings: Sequenc
     with progress() as bar:
         task = bar.add_task(f"transform ({'+'.join(names)}): decoder layers", total=len(layers), visible=show_progress)
         for layer in layers:
-            layer.to(device)
-            try:
+            with resident(model, layer, device, keep=True):  # the fold lasts (lazily: in a scratch file)
                 for n, t in tfs.items():
                     with torch.enable_grad():  # a search may optimise; the fold itself is in place
                         summary[n].append(t.apply_layer(layer, hidden, kwargs, fns[n]))
                 hidden = forward_layer(layer, hidden, kwargs)
-            finally:
-                layer.to("cpu")
             bar.advance(task)
     return {"names": names, "applies_to": "every candidate (the transform is model-level: applied once, "
             "before calibration, so every encoding quantizes the transformed weights)",
