@@ -11,6 +11,8 @@ from ..fields import DictConfig, doc_field
 OBJECTIVES = ("ce", "kd", "mix")
 PRECISIONS = ("auto", "bf16", "fp32")
 INITS = ("svd", "zero")
+SCHEDULES = ("cosine", "wsd")
+ADAPTER_BITS = (16, 8)
 
 
 @dataclass
@@ -47,6 +49,15 @@ class RecoverConfig(DictConfig):
                                "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
     decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
+    head_rank: int = doc_field(0, "rank of a LoRA on the output head (the tied LM head reads the packed embedding, so no "
+                               "projection adapter reaches it): a low-rank correction added to the logits only "
+                               "(qrecover/recovery/head_lora.py); 0 = none. Costs 2 x r x (hidden + vocab) bytes")
+    schedule: str = doc_field("cosine", "learning-rate schedule after warm-up: 'cosine' (decays over the whole run) or 'wsd' "
+                              "(warm-up, stable at the peak lr, then a 1-sqrt decay over the last decay_fraction of steps)")
+    decay_fraction: float = doc_field(0.2, "with schedule 'wsd': the fraction of steps that decays to min_lr_ratio x lr")
+    adapter_bits: int = doc_field(16, "bits of the exported adapter weights: 16 (fp16, plain PEFT) or 8 (per-row int8 "
+                                  "A and B with fp16 scales, qrecover's adapter_model.int8.safetensors; "
+                                  "qrecover/recovery/adapter_int8.py)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +87,15 @@ class RecoverConfig(DictConfig):
             raise QRecoverError(f"warmup={self.warmup} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.checkpoint_every < 0 or self.max_grad_norm < 0:
             raise QRecoverError("--checkpoint-every and max_grad_norm must not be negative")
+        if isinstance(self.head_rank, bool) or not isinstance(self.head_rank, int) or self.head_rank < 0:
+            raise QRecoverError(f"--head-rank {self.head_rank!r} must be 0 (no head adapter) or a positive integer, e.g. 16")
+        if self.schedule not in SCHEDULES:
+            raise QRecoverError(f"--schedule {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if not 0.0 < self.decay_fraction <= 1.0 or self.warmup + self.decay_fraction > 1.0:
+            raise QRecoverError(f"--decay-fraction {self.decay_fraction} must be in (0, 1] with warmup + decay_fraction "
+                                f"<= 1 (warmup={self.warmup}), e.g. 0.2")
+        if self.adapter_bits not in ADAPTER_BITS:
+            raise QRecoverError(f"--adapter-bits {self.adapter_bits!r} must be 16 or 8")
         if self.targets != "all":
             n = self.targets.removeprefix("top:")
             if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:
