@@ -21,8 +21,7 @@ from qrecover.errors import QRecoverError
 from qrecover.recovery.adapter_int8 import INT8_FILE, dequantize_rows, expand_int8_file, load_int8, quantize_rows
 from qrecover.recovery.config import RecoverConfig
 from qrecover.recovery.head_lora import QuantLoraHead, head_config
-from qrecover.recovery.lora import (adapter_summary, attach_lora, base_identity, init_error_svd, lora_modules,
-                                    peft_from_pretrained, save_adapter)
+from qrecover.recovery.lora import adapter_summary, attach_lora, base_identity, init_error_svd, lora_modules, peft_from_pretrained, save_adapter
 from qrecover.recovery.schedule import lr_scheduler
 
 
@@ -168,3 +167,13 @@ def test_wsd_holds_the_peak_then_decays_at_the_end():
     assert cosine.lr_lambdas[0](50) < 0.7  # the default cosine is well below peak at mid-run, WSD is not
     with pytest.raises(QRecoverError, match="--schedule"):
         RecoverConfig(schedule="linear")
+
+
+def test_cli_refuses_bad_lever_options_before_any_model_loads(tiny_ckpt, tmp_path, capsys):
+    from cli_helpers import run as cli
+
+    for args, message in ((["--adapter-bits", "9"], "--adapter-bits 9"), (["--schedule", "step"], "--schedule 'step'"),
+                          (["--head-rank", "-2"], "--head-rank -2")):
+        code, _, err = cli(["recover", str(tiny_ckpt), "--out", str(tmp_path / "o"), *args], capsys)
+        assert code == 2 and message in " ".join(err.split()), err
+        assert not (tmp_path / "o").exists()
