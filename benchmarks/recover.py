@@ -172,6 +172,9 @@ def main() -> None:
                     help=f"comma-separated {RUN_GRAMMAR} runs (default: {','.join(DEFAULT_RUNS)})")
     ap.add_argument("--no-references", action="store_true",
                     help="skip the adapter-free checkpoints of each row's total size")
+    ap.add_argument("--references", default="",
+                    help="comma-separated --bpw budgets of adapter-free checkpoints to score first (before the rows), e.g. "
+                         "4.081,3.79; the rows' own total sizes are added at the end unless --no-references")
     ap.add_argument("--no-speed", action="store_true", help="skip the cached-vs-uncached base path measurement")
     ap.add_argument("--name", default="recover", help="report file stem: reports/NAME.md and NAME.json")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "recover"))
@@ -204,6 +207,25 @@ def main() -> None:
     def gap(b: float, p: dict[str, float]) -> dict[str, float]:
         g = {k: (quantized[b][k] - p[k]) / (quantized[b][k] - original[k]) for k in p}
         return {**g, "worst": min(g[k] for k in HELD_OUT)}
+
+    references: dict[str, dict] = {}
+
+    def score_references(budgets: list[float]) -> None:
+        """The adapter-free checkpoint of each total size, scored (and compared with the smallest base budget)."""
+        for b, d in checkpoints(out, [x for x in budgets if str(x) not in references]).items():
+            m = api.load(d, cache=True)
+            p = ppl(m)
+            references[str(b)] = {"bpw": b, "measured_bpw": m.qrecover_manifest["measured_bpw"]["model"], "ppl": p,
+                                  "gap_closed_of_base": gap(min(quantized), p), "base_bpw": min(quantized)}
+            print("reference", b, p, flush=True)
+            del m
+
+    def report(seconds: float, speed: dict) -> None:
+        write_report(Path(args.report), args.name, original, quantized, bpw, rows, references, speed, windows, seconds,
+                     peak_memory_bytes())
+
+    if args.references and not args.no_references:
+        score_references(sorted(float(x) for x in args.references.split(",")))
 
     # --- recovery runs -------------------------------------------------------------------------------------
     rows = []
@@ -264,18 +286,11 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
             del m
         gc.collect()
+        report(time.time() - t_start, {})  # the table so far: an interrupted benchmark still leaves its rows
 
     # --- equal total bytes: the adapter-free checkpoint of each row's base + adapter size ----------------------
-    references = {}
     if not args.no_references:
-        budgets = sorted({round(r["measured_bpw"] + r["adapter_bpw_cost"], 3) for r in rows})
-        for b, d in checkpoints(out, budgets).items():
-            m = api.load(d, cache=True)
-            p = ppl(m)
-            references[str(b)] = {"bpw": b, "measured_bpw": m.qrecover_manifest["measured_bpw"]["model"], "ppl": p,
-                                  "gap_closed_of_3.5": gap(min(quantized), p) if min(quantized) in quantized else None}
-            print("reference", b, p, flush=True)
-            del m
+        score_references(sorted({round(r["measured_bpw"] + r["adapter_bpw_cost"], 3) for r in rows}))
 
     # --- the training base path: dequantized weights cached or not, bf16 autocast or fp32 (same process) -------
     speed = {}
@@ -287,8 +302,7 @@ def main() -> None:
         speed[f"kd, batch 4 x {seq_len}, cache_dequantized={cache}, "
               f"{'bf16 autocast' if meta['training']['mixed_precision'] == 'bf16' else 'fp32'}"] = \
             meta["training"]["tok_per_s"]
-    write_report(Path(args.report), args.name, original, quantized, bpw, rows, references, speed, windows,
-                 time.time() - t_start, peak_memory_bytes())
+    report(time.time() - t_start, speed)
 
 
 def _init(row: dict) -> str:
@@ -352,10 +366,11 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, refere
             f"{r['tok_per_s']:.0f} | {r.get('wall_seconds', 0) / 60:.1f} |")
     if references:
         lines += ["", "## Adapter-free references (`qrecover compress --bpw B`, the compress defaults)", "",
-                  f"| --bpw | measured bpw | ppl ({cols}) | gap of the 3.5 bpw checkpoint closed ({cols}) | worst held-out |",
+                  f"| --bpw | measured bpw | ppl ({cols}) | gap of the {min(quantized)} bpw checkpoint closed ({cols}) | "
+                  "worst held-out |",
                   "|---|---|---|---|---|"]
         for ref in references.values():
-            g = ref["gap_closed_of_3.5"]
+            g = ref["gap_closed_of_base"]
             lines.append(f"| {ref['bpw']} | {ref['measured_bpw']:.3f} | {_each(ref['ppl'])} | "
                          + ("-" if g is None else _each(g, "{:.0f}%", 100)) + " | "
                          + ("-" if g is None else f"{100 * g['worst']:.0f}%") + " |")
