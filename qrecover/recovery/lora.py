@@ -183,7 +183,8 @@ def save_adapter(peft_model: nn.Module, out: Path, base: dict[str, str], paramet
     place atomically.
     """
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", SAVE_DTYPE).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    state = {k: v.detach().to("cpu", SAVE_DTYPE).contiguous() for k, v in get_peft_model_state_dict(
+        peft_model, save_embedding_layers=False).items()}  # never the base embedding (a head adapter targets lm_head)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise QRecoverError(f"adapter tensors {bad[:3]} are not finite in 16 bits; lower the learning rate")
