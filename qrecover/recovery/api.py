@@ -37,6 +37,7 @@ from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
+from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
 from .mix import Mix, MixLoader, load_mix, single_source_mix
@@ -206,13 +207,14 @@ def _finish(peft_model, out: Path, cfg: RecoverConfig, checkpoint: Path, summary
     shutil.rmtree(tmp, ignore_errors=True)
     training = {k: v for k, v in summary.items() if k not in ("history", "model", "is_main_process")}
     meta = save_adapter(peft_model, tmp, base_identity(checkpoint), manifest["parameters"]["model"],
-                        extra={"config": cfg.to_dict(), "training": training, **extra})
+                        extra={"config": cfg.to_dict(), "training": training, **extra}, bits=cfg.adapter_bits)
     with open(tmp / "train_log.jsonl", "w") as f:
         for row in summary["history"]:
             f.write(json.dumps(row) + "\n")
     _write_json(tmp / "data_report.json", loader.report())
-    for name in ("adapter_model.safetensors", "adapter_config.json", "train_log.jsonl", "data_report.json", ADAPTER_META):
-        os.replace(tmp / name, out / name)  # qrecover_adapter.json last: its presence means "complete"
+    for name in ("adapter_model.safetensors", INT8_FILE, "adapter_config.json", "train_log.jsonl", "data_report.json", ADAPTER_META):
+        if name != INT8_FILE or (tmp / name).exists():  # the int8 file exists for --adapter-bits 8 only
+            os.replace(tmp / name, out / name)  # qrecover_adapter.json last: its presence means "complete"
     shutil.rmtree(tmp, ignore_errors=True)
     if not keep_checkpoints:
         shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
@@ -255,7 +257,7 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         manifest = model.qrecover_manifest
         torch.manual_seed(cfg.seed)  # the LoRA A initialisation
-        peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg))
+        peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg), cfg.head_rank)
         peft_model.qrecover_manifest = manifest
         if (cfg.objective != "ce" or cfg.init == "svd") and teacher is None:
             teacher = load_teacher(manifest)

@@ -12,6 +12,8 @@ from ..fields import DictConfig, doc_field
 OBJECTIVES = ("ce", "kd", "mix")
 PRECISIONS = ("auto", "bf16", "fp32")
 INITS = ("svd", "zero")
+SCHEDULES = ("cosine", "wsd")
+ADAPTER_BITS = (16, 8)
 
 
 @dataclass
@@ -53,6 +55,15 @@ class RecoverConfig(DictConfig):
                                 "(batch x seq x vocab floats per tensor: 8 GB at 8 x 2048 tokens and a 128k vocabulary)")
     teacher_device: str | None = doc_field(None, "device of the distillation teacher, e.g. 'cuda:1'; None = the training device. "
                                            "On CUDA with bf16 precision the (frozen) teacher is cast to bf16 once")
+    head_rank: int = doc_field(0, "rank of a LoRA on the output head (the tied LM head reads the packed embedding, so no "
+                               "projection adapter reaches it): a low-rank correction added to the logits only "
+                               "(qrecover/recovery/head_lora.py); 0 = none. Costs 2 x r x (hidden + vocab) bytes")
+    schedule: str = doc_field("cosine", "learning-rate schedule after warm-up: 'cosine' (decays over the whole run) or 'wsd' "
+                              "(warm-up, stable at the peak lr, then a 1-sqrt decay over the last decay_fraction of steps)")
+    decay_fraction: float = doc_field(0.2, "with schedule 'wsd': the fraction of steps that decays to min_lr_ratio x lr")
+    adapter_bits: int = doc_field(16, "bits of the exported adapter weights: 16 (fp16, plain PEFT) or 8 (per-row int8 "
+                                  "A and B with fp16 scales, qrecover's adapter_model.int8.safetensors; "
+                                  "qrecover/recovery/adapter_int8.py)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +98,15 @@ class RecoverConfig(DictConfig):
                                 "e.g. --loss-chunk 1024")
         if self.teacher_device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|xpu(:\d+)?|mps", str(self.teacher_device)):
             raise QRecoverError(f"--teacher-device {self.teacher_device!r} is not a device; pass e.g. cuda:1, cuda or cpu")
+        if isinstance(self.head_rank, bool) or not isinstance(self.head_rank, int) or self.head_rank < 0:
+            raise QRecoverError(f"--head-rank {self.head_rank!r} must be 0 (no head adapter) or a positive integer, e.g. 16")
+        if self.schedule not in SCHEDULES:
+            raise QRecoverError(f"--schedule {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if not 0.0 < self.decay_fraction <= 1.0 or self.warmup + self.decay_fraction > 1.0:
+            raise QRecoverError(f"--decay-fraction {self.decay_fraction} must be in (0, 1] with warmup + decay_fraction "
+                                f"<= 1 (warmup={self.warmup}), e.g. 0.2")
+        if self.adapter_bits not in ADAPTER_BITS:
+            raise QRecoverError(f"--adapter-bits {self.adapter_bits!r} must be 16 or 8")
         if self.targets != "all":
             n = self.targets.removeprefix("top:")
             if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:

@@ -41,6 +41,8 @@ from ..checkpoint import read_manifest
 from ..errors import QRecoverError
 from ..io_utils import read_json, sha256_file
 from ..qlinear import QuantLinear
+from .adapter_int8 import INT8_FILE, save_int8
+from .head_lora import head_config, register_head_lora
 from .peft_quant import register_quant_lora
 
 ADAPTER_META = "qrecover_adapter.json"
@@ -71,17 +73,22 @@ def quantized_targets(model: nn.Module, only: list[str] | None = None) -> list[s
 
 
 def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0,
-                targets: list[str] | None = None):
+                targets: list[str] | None = None, head_rank: int = 0):
     """Wrap ``model`` in a PEFT LoRA model on its quantized projections; only the adapter trains.
 
     ``alpha`` defaults to ``2 * rank`` (scaling 2). B starts at zero, so the wrapped model's output equals
     the base model's at step 0. The LoRA layers are :class:`~qrecover.recovery.peft_quant.QuantLoraLinear`.
+    ``head_rank > 0`` adds a rank-``head_rank`` LoRA on the tied output head (scaling 2 as well;
+    :mod:`qrecover.recovery.head_lora`), a PEFT ``rank_pattern`` entry for ``lm_head``.
     """
     if not (isinstance(rank, int) and rank > 0):
         raise QRecoverError(f"LoRA rank {rank!r} must be a positive integer, e.g. --rank 16")
+    head, rank_pattern = head_config(model, head_rank)
+    scaling = (alpha if alpha is not None else 2 * rank) / rank
     config = LoraConfig(r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
-                        target_modules=quantized_targets(model, targets), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, register_quant_lora(config))
+                        target_modules=quantized_targets(model, targets) + head, bias="none", task_type="CAUSAL_LM",
+                        rank_pattern=rank_pattern, alpha_pattern={k: float(scaling * r) for k, r in rank_pattern.items()})
+    return get_peft_model(model, register_head_lora(register_quant_lora(config)))
 
 
 def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
@@ -287,26 +294,34 @@ def expected_bytes(layers: dict[str, tuple[int, int, int]]) -> int:
 
 
 def save_adapter(peft_model: nn.Module, out: Path, base: dict[str, str], parameters: int,
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                 extra: dict[str, Any] | None = None, bits: int = 16) -> dict[str, Any]:
     """Write the PEFT adapter directory (16-bit tensors) and ``qrecover_adapter.json`` into ``out``.
 
-    ``out`` should be a fresh (temporary) directory; callers move it into place atomically.
+    ``bits=8``: the adapter is ``adapter_model.int8.safetensors`` (per-row int8 + fp16 scales,
+    :mod:`qrecover.recovery.adapter_int8`), its bytes the ones counted; ``adapter_model.safetensors`` then holds the
+    same values expanded to fp16 for PEFT. ``out`` should be a fresh (temporary) directory; callers move it into
+    place atomically.
     """
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", SAVE_DTYPE).contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+    state = {k: v.detach().to("cpu", SAVE_DTYPE).contiguous() for k, v in get_peft_model_state_dict(
+        peft_model, save_embedding_layers=False).items()}  # never the base embedding (a head adapter targets lm_head)
     bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
     if bad:
         raise QRecoverError(f"adapter tensors {bad[:3]} are not finite in 16 bits; lower the learning rate")
+    int8_bytes = None
+    if bits == 8:
+        int8_bytes, state = save_int8(state, out / INT8_FILE)
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = peft_model.peft_config["default"]
     config.base_model_name_or_path = base["path"]
     config.save_pretrained(str(out))
     layers = adapter_layers(peft_model)
-    tensor_bytes = sum(v.numel() * v.element_size() for v in state.values())
-    file_bytes = (out / "adapter_model.safetensors").stat().st_size
+    tensor_bytes = sum(v.numel() * v.element_size() for v in state.values()) if int8_bytes is None else int8_bytes
+    file_bytes = (out / ("adapter_model.safetensors" if int8_bytes is None else INT8_FILE)).stat().st_size
     meta = {
         "format": "qrecover-adapter", "format_version": ADAPTER_FORMAT_VERSION, "base": base,
-        "rank": config.r, "alpha": config.lora_alpha, "dtype": str(SAVE_DTYPE).removeprefix("torch."),
+        "rank": config.r, "alpha": config.lora_alpha,
+        "dtype": str(SAVE_DTYPE).removeprefix("torch.") if int8_bytes is None else "int8 per row + float16 scales",
         "layers": len(layers), "target_modules": sorted(layers),
         "bytes": {"tensors": tensor_bytes, "expected_16bit": expected_bytes(layers), "file": file_bytes},
         "base_parameters": parameters,
@@ -381,7 +396,7 @@ def peft_from_pretrained(model: nn.Module, adapter: str | Path, trainable: bool 
     (:func:`~qrecover.recovery.peft_quant.register_quant_lora`), so that merging changes the packed weights."""
     config = PeftConfig.from_pretrained(str(adapter))
     if isinstance(config, LoraConfig):
-        register_quant_lora(config)
+        register_head_lora(register_quant_lora(config))
     return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable, config=config)
 
 
@@ -396,7 +411,8 @@ def adapter_summary(adapter: str | Path, manifest: dict[str, Any]) -> dict[str, 
     """``{path, rank, bpw_cost}`` of an adapter directory; the cost from the bytes of its stored tensors."""
     adapter = Path(adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
-    size = {"F16": 2, "BF16": 2, "F32": 4}
-    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+    size = {"F16": 2, "BF16": 2, "F32": 4, "I8": 1}
+    weights = adapter / INT8_FILE if (adapter / INT8_FILE).is_file() else adapter / "adapter_model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
         nbytes = sum(math.prod(f.get_slice(k).get_shape()) * size[f.get_slice(k).get_dtype()] for k in f.keys())
     return {"path": str(adapter), "rank": int(config["r"]), "bpw_cost": nbytes * 8 / manifest["parameters"]["model"]}

@@ -52,6 +52,7 @@ from ..progress import progress
 from ..qlinear import QuantLinear
 from . import objective
 from .config import RecoverConfig
+from .schedule import lr_scheduler
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
@@ -283,8 +284,6 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
     """
     from accelerate import Accelerator
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
     if cfg.objective != "ce" and teacher is None:
         raise QRecoverError(f"objective {cfg.objective!r} distils from the unquantized model, but none was given")
     check_distributed(requested_distributed())
@@ -315,8 +314,7 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         raise QRecoverError("the model has no trainable parameters; attach an adapter first")
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=round(cfg.warmup * steps), num_training_steps=steps, min_lr_rate=cfg.min_lr_ratio)
+    scheduler = lr_scheduler(optimizer, cfg, steps)  # warm-up + cosine, or WSD (cfg.schedule; schedule.py)
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
         objective.place_teacher(teacher, accelerator.device, precision, cfg.teacher_device)
