@@ -450,6 +450,8 @@ def write_report(names: list[str], calib_samples: int, report: Path, arch: str =
 def write_arch_report(arch: str, rows: list[dict], orig: dict | None, calib_samples: int, report: Path) -> None:
     spec = arch_spec(arch)
     threads = os.environ.get("OMP_NUM_THREADS", "2")
+    head = ("The head is tied to the embedding." if spec["tie_word_embeddings"] else "The untied head is quantized "
+            "like the embedding (qrecover) / kept fp32, counted at 16 bits (llm-compressor).")
     lines = [f"**Randomly initialised `{spec['model_type']}` model** (config only, `benchmarks/schemes.py` ARCHS: "
              f"{spec['num_hidden_layers']} layers, hidden {spec['hidden_size']}, intermediate "
              f"{spec['intermediate_size']}, {spec['num_attention_heads']} heads of 64, {spec['num_key_value_heads']} "
@@ -460,7 +462,9 @@ def write_arch_report(arch: str, rows: list[dict], orig: dict | None, calib_samp
              f"{calib_samples} x 512 tokens of python-docs; held-out ppl = 32 x 512 tokens of the eval split (README "
              f"protocol); original ppl {fmt(orig and orig['ppl'], '.1f')}. Uniform rows: linear layers only at the "
              f"setting, embedding 8-bit per channel (qrecover) / fp32 (llm-compressor); 3.7 rows: whole-model "
-             f"allocation. CPU, shared, one row at a time, OMP_NUM_THREADS={threads}. Time and peak RSS: the "
+             f"allocation. {head} "
+             f"bpw: qrecover's measured from the packed bytes (manifest), llm-compressor's nominal (bits + fp16 scale "
+             f"and zero per group). CPU, shared, one row at a time, OMP_NUM_THREADS={threads}. Time and peak RSS: the "
              f"compress (or llm-compressor oneshot) process alone.", "",
              "| row | encodings | bpw model | bpw linear | ppl | ratio | time (s) | peak RSS (MiB) | note |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -472,7 +476,7 @@ def write_arch_report(arch: str, rows: list[dict], orig: dict | None, calib_samp
         enc = r.get("encodings") or (f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" if r["kind"] == "llmc"
                                      else "default (palettize:2,3,4)")
         if "ppl" not in r:
-            why = r.get("skipped") or r.get("error") or "not run"
+            why = r.get("skipped") or r.get("error") or "not run (the helper's time; rows ran in priority order)"
             why = " ".join(why.split()).replace("|", "\\|")
             lines.append(f"| {r['name']} | `{enc}` | | | | | | | {why[-400:]} |")
             continue
