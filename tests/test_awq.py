@@ -5,12 +5,16 @@
   from the formula) finds best, and that ratio beats no scaling clearly.
 - Folding is function-preserving: on tiny random Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma, Gemma-2, Gemma-3 and Phi-3
   models (2 layers, hidden 64; with and without grouped-query attention) ``apply_layer`` on every layer,
-  with a crude quantize_fn so that real scales are chosen, leaves the logits equal to float32 precision.
+  with a crude quantize_fn so that real scales are chosen, leaves the logits equal to float32 precision; so does
+  the transform stage as ``qrecover compress`` runs it on the whole model (Qwen2 untied, Gemma-3 tied), within a
+  few times the untouched model's own float32 rounding (its distance to float64).
 - AWQ before RTN 4-bit lowers the decoder layer's output error versus RTN alone on a layer with outlier
   input channels; an architecture without a mapping raises QRecoverError naming it and the supported ones.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -19,8 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from qrecover.calibrate import capture_inputs
 from qrecover.errors import QRecoverError
-from qrecover.models import decoder_layers
+from qrecover.models import decoder_layers, is_tied
 from qrecover.schemes import get_quantizer
+from qrecover.stages.specs import parse_encodings
+from qrecover.stages.transform import apply_transforms
 from qrecover.transforms import get_transform
 from qrecover.transforms.awq import AWQ, duo_scales, search_scales, weight_mean
 
@@ -142,6 +148,34 @@ def test_folding_preserves_logits(arch):
     gqa = ARCHS[arch]["num_key_value_heads"] < COMMON["num_attention_heads"]
     v_prev = "self_attn.qkv_proj" if arch == "phi3" else "self_attn.v_proj"
     assert (v_prev, gqa) in pairs  # v -> o is skipped exactly under grouped-query attention
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_transform_stage_preserves_logits(arch):
+    # the whole-model path `qrecover compress` takes (stages.transform.apply_transforms: inputs captured once, each
+    # layer transformed then run on to feed the next), on benchmarks/schemes.py's second architectures: Qwen2
+    # (q/k/v biases, untied head) and Gemma-3 text (scaled embedding, (1 + w) sandwich norms, tied head)
+    model = tiny_model(arch)
+    assert is_tied(model) == (arch == "gemma3_text")
+    probe = windows(2, 32, seed=9)
+    with torch.no_grad():
+        want = model(input_ids=probe, use_cache=False).logits
+        want64 = copy.deepcopy(model).double()(input_ids=probe, use_cache=False).logits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    info = apply_transforms(model, windows(), parse_encodings("awq+blockwise:2/b16/asym"), torch.device("cpu"),
+                            show_progress=False)
+    with torch.no_grad():
+        got = model(input_ids=probe, use_cache=False).logits
+    assert info["names"] == ["awq"] and len(info["layers"]["awq"]) == COMMON["num_hidden_layers"]
+    folded = [m for layer in info["layers"]["awq"] for m in layer["mappings"] if m.get("ratio") is not None]
+    assert len(folded) >= 4, info["layers"]  # real scales in most mappings, so the comparison means something
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert any("layernorm" in k for k in changed) and any("up_proj" in k for k in changed)
+    assert not any("embed" in k or "lm_head" in k for k in changed)
+    # within a few times float32's own rounding of the untouched model (its distance to float64)
+    floor = float((want.double() - want64).abs().max())
+    assert float((got - want).abs().max()) <= max(8 * floor, 1e-6 * float(want.abs().max())), (floor, got - want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_awq_reduces_rtn_output_error_with_outlier_channels():
