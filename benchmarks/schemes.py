@@ -181,8 +181,12 @@ def build_arch_model(arch: str) -> Path:
     return out
 
 
+CPU_SECONDS: list[float] = []  # user + system CPU seconds of the last child (its rusage): contention-robust time
+
+
 def run_child(cmd: list[str], env: dict | None = None) -> tuple[int, str, str, float, float]:
-    """Run one child; (returncode, stdout, stderr, wall seconds, peak RSS MiB of that child)."""
+    """Run one child; (returncode, stdout, stderr, wall seconds, peak RSS MiB of that child). Its CPU seconds
+    (user + system) are left in ``CPU_SECONDS[-1]``: on a shared machine wall time measures the neighbours too."""
     t = time.time()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env)
@@ -194,6 +198,7 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[int, str, str, f
             raise
         p.returncode = os.waitstatus_to_exitcode(status)
         wall = time.time() - t
+        CPU_SECONDS.append(usage.ru_utime + usage.ru_stime)
         out.seek(0)
         err.seek(0)
         return p.returncode, out.read().decode(), err.read().decode(), wall, usage.ru_maxrss / 1024
@@ -237,6 +242,7 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
     for p in s.get("scheme_params", []):
         cmd += ["--scheme-param", p]
     rc, out, err, wall, rss = run_child(cmd, child_env())
+    cpu = CPU_SECONDS[-1]
     if rc:
         return {"error": f"compress exit {rc}: {err.strip().splitlines()[-1] if err.strip() else out[-500:]}",
                 "command": " ".join(cmd[2:])}
@@ -245,8 +251,8 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
     if rc:
         return {"error": f"ppl exit {rc}: {perr[-500:]}"}
     return {"bpw_model": summary["measured_bpw"]["model"], "bpw_linear": summary["measured_bpw"]["linear"],
-            "ppl": last_json(pout)["ppl"], "seconds": wall, "peak_rss_mb": rss, "ppl_seconds": pwall,
-            "command": "qrecover " + " ".join(cmd[3:])}
+            "ppl": last_json(pout)["ppl"], "seconds": wall, "cpu_seconds": cpu, "peak_rss_mb": rss, "ppl_seconds": pwall,
+            "threads": child_env()["OMP_NUM_THREADS"], "command": "qrecover " + " ".join(cmd[3:])}
 
 
 def dump_windows(calib_samples: int, path: Path, model_dir: Path = MODEL_DIR) -> None:
@@ -273,6 +279,7 @@ def run_llmc(name: str, s: dict, calib_samples: int, work: Path, llmc_py: str, m
     env = child_env()
     env.pop("PYTHONPATH")
     rc, out, err, wall, rss = run_child(cmd, env)
+    cpu = CPU_SECONDS[-1]
     if rc:
         return {"error": f"llmc worker exit {rc}: {err[-1500:]}"}
     info = last_json(out.strip().splitlines()[-1])
@@ -284,8 +291,8 @@ def run_llmc(name: str, s: dict, calib_samples: int, work: Path, llmc_py: str, m
     n_lin, n_all = info["linear_params"], info["all_params"]
     lin_bpw = bits + 32 / g  # fp16 scale + zero point per group (compressed-tensors pack-quantized)
     return {"bpw_model": (n_lin * lin_bpw + (n_all - n_lin) * 16) / n_all, "bpw_linear": lin_bpw,
-            "ppl": last_json(pout)["ppl"], "seconds": wall, "peak_rss_mb": rss, "ppl_seconds": pwall,
-            "oneshot_seconds": info["oneshot_seconds"], "on_grid": info["on_grid"],
+            "ppl": last_json(pout)["ppl"], "seconds": wall, "cpu_seconds": cpu, "peak_rss_mb": rss, "ppl_seconds": pwall,
+            "threads": env["OMP_NUM_THREADS"], "oneshot_seconds": info["oneshot_seconds"], "on_grid": info["on_grid"],
             "note": "llm-compressor 0.14 oneshot; dequantized weights; embedding fp32 (bpw_model nominal: embedding "
                     "counted at 16)"}
 
@@ -423,22 +430,23 @@ def write_report(names: list[str], calib_samples: int, report: Path, arch: str =
     lines = [f"Default model (SmolLM2-135M-Instruct), calibration {calib_samples} x 512 tokens of python-docs; held-out "
              f"ppl = 32 x 512 tokens of the eval split (README protocol); original ppl "
              f"{fmt(orig and orig['ppl'], '.3f')}. Uniform rows: linear layers only at the setting, embedding 8-bit "
-             f"per channel (qrecover) / fp32 (llm-compressor); 3.7 rows: whole-model allocation. CPU, 2 shared cores, "
-             f"one row at a time, OMP_NUM_THREADS=2. Time and peak RSS: the compress (or llm-compressor oneshot) "
-             f"process alone.", "",
-             "| row | encodings | bpw model | bpw linear | ppl | ratio | time (s) | peak RSS (MiB) | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"per channel (qrecover) / fp32 (llm-compressor); 3.7 rows: whole-model allocation. CPU, 2 cores shared "
+             f"with other work, one row at a time, OMP_NUM_THREADS as in the threads column. Wall and CPU time (user + "
+             f"system, robust to the neighbours) and peak RSS: the compress (or llm-compressor oneshot) process alone.", "",
+             "| row | encodings | bpw model | bpw linear | ppl | ratio | wall (s) | CPU (s) | threads | peak RSS (MiB) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         enc = r.get("encodings") or (f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" if r["kind"] == "llmc"
                                      else "default (palettize:2,3,4)")
         if "ppl" not in r:
             why = r.get("skipped") or r.get("error") or NOT_RUN.get(r["name"], "not run (time)")
-            lines.append(f"| {r['name']} | `{enc}` | | | | | | | {why[:200]} |")
+            lines.append(f"| {r['name']} | `{enc}` | | | | | | | | | {why[:200]} |")
             continue
         ratio = r["ppl"] / orig["ppl"] if orig else None
         r["ratio"] = ratio
         lines.append(f"| {r['name']} | `{enc}` | {r['bpw_model']:.3f} | {r['bpw_linear']:.3f} | {r['ppl']:.3f} | "
-                     f"{fmt(ratio, '.3f')} | {r['seconds']:.0f} | {r['peak_rss_mb']:.0f} | {r.get('note', '')} |")
+                     f"{fmt(ratio, '.3f')} | {r['seconds']:.0f} | {fmt(r.get('cpu_seconds'), '.0f')} | {r.get('threads', '—')} | "
+                     f"{r['peak_rss_mb']:.0f} | {r.get('note', '')} |")
     table = "\n".join(lines)
     print(table)
     report.mkdir(parents=True, exist_ok=True)
