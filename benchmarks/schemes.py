@@ -119,12 +119,13 @@ ARCH_COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num
                    max_position_embeddings=2048)
 
 
-# Why a row has no numbers in the committed report (the helper's run of 2026-11-24 had ~55 min of shared CPU).
+# Why a row has no numbers in the committed report (two sessions' runs of 2026-11-24 on 2 shared cores).
 NOT_RUN = {
     "llmc-gptq-w4g64": "started, stopped for time: llm-compressor's sequential GPTQ ran ~65 s per decoder layer here "
                        "(9 of 30 layers in 10.3 min CPU), projected ~33 min, vs 15.7 min for qrecover's whole gptq row",
-    "rtn-w3g64": "started, stopped at the helper's deadline",
 }
+NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores each qrecover row took 11-29 min here, llm-compressor's GPTQ a "
+                   "projected ~33 min of CPU")
 
 
 def row_key(name: str, calib_samples: int) -> str:
@@ -439,7 +440,7 @@ def write_report(names: list[str], calib_samples: int, report: Path, arch: str =
         enc = r.get("encodings") or (f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" if r["kind"] == "llmc"
                                      else "default (palettize:2,3,4)")
         if "ppl" not in r:
-            why = r.get("skipped") or r.get("error") or NOT_RUN.get(r["name"], "not run (time)")
+            why = r.get("skipped") or r.get("error") or NOT_RUN.get(r["name"], NOT_RUN_DEFAULT)
             lines.append(f"| {r['name']} | `{enc}` | | | | | | | | | {why[:200]} |")
             continue
         ratio = r["ppl"] / orig["ppl"] if orig else None
