@@ -212,15 +212,31 @@ def _write_random_model(d: Path, cfg: dict) -> int:
     return 4 * sum(p.numel() for p in meta.parameters())
 
 
-def _peak_rss(args: list[str]) -> int:
-    """Peak resident set size in bytes of a child process (``os.wait4``'s ru_maxrss, KiB on Linux)."""
+# The child's own high-water mark (VmHWM belongs to its address space, which execve replaces). Not os.wait4's
+# ru_maxrss: Linux keeps that across fork + execve, so a child of a large pytest process reports the parent's size.
+_HWM = """
+import atexit, sys
+report = sys.argv[1]
+def _hwm():
+    with open("/proc/self/status") as f:
+        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(report, "w") as out:
+        out.write(kb)
+atexit.register(_hwm)
+sys.argv = ["qrecover"] + sys.argv[2:]
+from qrecover.cli import main
+main()
+"""
+
+
+def _peak_rss(cli_args: list[str], tmp_path) -> int:
+    """Peak resident set size in bytes of a ``qrecover`` CLI child process (its VmHWM at exit)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.stdout.close()
-    assert os.waitstatus_to_exitcode(status) == 0, out.decode()[-3000:]
-    return usage.ru_maxrss * 1024
+    report = tmp_path / "vmhwm.txt"
+    proc = subprocess.run([sys.executable, "-c", _HWM, str(report), *cli_args], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+    return int(report.read_text()) * 1024
 
 
 @pytest.mark.slow
@@ -235,9 +251,9 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tok_dir):
         sizes[n] = _write_random_model(src, {**BIG, "num_hidden_layers": n})
         for f in tok_dir.iterdir():
             shutil.copy(f, src / f.name)
-        peaks[n] = _peak_rss([sys.executable, "-m", "qrecover.cli", "compress", "--model", str(src), "--out", str(tmp_path / f"out-{n}"),
+        peaks[n] = _peak_rss(["compress", "--model", str(src), "--out", str(tmp_path / f"out-{n}"),
                               "--uniform", "--encodings", "blockwise:2/b64", "--embedding-encodings", "blockwise:4/b64",
-                              "--calib-samples", "2", "--seq-len", "32", "--device", "cpu", "--json"])
+                              "--calib-samples", "2", "--seq-len", "32", "--device", "cpu", "--json"], tmp_path)
         manifest = json.loads((tmp_path / f"out-{n}" / "qrecover.json").read_text())
         assert manifest["parameters"]["model"] * 4 == sizes[n]
         shutil.rmtree(src)
