@@ -121,8 +121,11 @@ ARCH_COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num
 
 # Why a row has no numbers in the committed report (two sessions' runs of 2026-11-24 on 2 shared cores).
 NOT_RUN = {
-    "llmc-gptq-w4g64": "started, stopped for time: llm-compressor's sequential GPTQ ran ~65 s per decoder layer here "
-                       "(9 of 30 layers in 10.3 min CPU), projected ~33 min, vs 15.7 min for qrecover's whole gptq row",
+    "llmc-gptq-w4g64": "session 9: stopped for time (~65 s of CPU per decoder layer, projected ~33 min); session 10: the worker "
+                       "failed to import transformers (benchmarks/kernels.py shadowed the `kernels` package; fixed since), "
+                       "not re-run for time",
+    "llmc-awq-w4g64": "session 10: the worker failed to import transformers (benchmarks/kernels.py shadowed the `kernels` "
+                      "package; fixed since), not re-run for time",
 }
 NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores each qrecover row took 11-29 min here, llm-compressor's GPTQ a "
                    "projected ~33 min of CPU")
