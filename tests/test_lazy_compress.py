@@ -8,7 +8,7 @@ Gemma-3 (scaled embedding, (1+w) norms, soft-capping) models, for palettize, blo
 encodings, finalize on and off, and a budget (the layer-wise gradient pass); a directory the lazy path
 cannot map falls back to the whole-model load and its errors; compress subprocesses on a random model at 6
 and 30 decoder layers (0.44 / 1.78 GB of fp32 weights) peak within 20% of the added weights of each other
-and the larger below its own size (ru_maxrss from os.wait4).
+and the larger below its own size (the child's own VmHWM).
 """
 
 from __future__ import annotations
