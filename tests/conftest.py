@@ -75,3 +75,16 @@ def tiny_prepared(tiny_model_dir):
     from qrecover.config import CompressConfig
 
     return prepare(CompressConfig(model=str(tiny_model_dir), bpw=5.0, calib_samples=2, seq_len=64), show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def text_mix(tmp_path_factory) -> Path:
+    """A one-source recipe over a few real Python-docs files copied to a private dir (training tests)."""
+    from qrecover.data import documents
+
+    d = tmp_path_factory.mktemp("texts")
+    for i, t in enumerate(documents("python-docs", "train")[:6]):
+        (d / f"doc{i}.txt").write_text(t)
+    recipe = d / "mix.toml"
+    recipe.write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{d}/*.txt"\nweight = 1.0\n')
+    return recipe

@@ -179,22 +179,15 @@ def test_cli_refuses_bad_lever_options_before_any_model_loads(tiny_ckpt, tmp_pat
         assert not (tmp_path / "o").exists()
 
 
-def test_head_adapter_trains_alike_with_and_without_the_chunked_loss(tiny_ckpt, tmp_path):
+def test_head_adapter_trains_alike_with_and_without_the_chunked_loss(tiny_ckpt, text_mix, tmp_path):
     """The head adapter's weights train, so the chunked loss must take its recompute path (not the fused one that
     treats the head as frozen): a head-adapter run with chunks of 24 positions ends with the unchunked run's adapter."""
-    from qrecover.data import documents
     from qrecover.recovery.api import recover
 
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    for i, t in enumerate(documents("python-docs", "train")[:3]):
-        (texts / f"doc{i}.txt").write_text(t)
-    (tmp_path / "mix.toml").write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{texts}/*.txt"\nweight = 1.0\n')
     runs = {}
     for chunk in (0, 24):
-        cfg = RecoverConfig(rank=2, head_rank=4, tokens=64 * 2 * 2, mix=str(tmp_path / "mix.toml"), seq_len=64, batch_size=2,
-                            objective="mix", lr=1e-2, decontaminate=False, checkpoint_every=0, precision="fp32", init="zero",
-                            loss_chunk=chunk)
+        cfg = RecoverConfig(rank=2, head_rank=4, tokens=64 * 2 * 2, mix=str(text_mix), seq_len=64, batch_size=2, objective="mix",
+                            lr=1e-2, decontaminate=False, checkpoint_every=0, precision="fp32", init="zero", loss_chunk=chunk)
         recover(tiny_ckpt, tmp_path / str(chunk), cfg, show_progress=False)
         model = load(tiny_ckpt, adapter=tmp_path / str(chunk))
         runs[chunk] = {n: p.detach().float() for n, p in model.named_parameters() if "lora_" in n}

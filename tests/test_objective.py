@@ -244,18 +244,6 @@ def test_chunked_peak_memory_is_a_fraction_of_the_full_logits():
 
 # --- training: same adapter -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def text_mix(tmp_path_factory) -> Path:
-    from qrecover.data import documents
-
-    d = tmp_path_factory.mktemp("texts")
-    for i, t in enumerate(documents("python-docs", "train")[:4]):
-        (d / f"doc{i}.txt").write_text(t)
-    recipe = d / "mix.toml"
-    recipe.write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{d}/*.txt"\nweight = 1.0\n')
-    return recipe
-
-
 def test_training_chunked_ends_with_the_unchunked_adapter(tiny_ckpt, text_mix, tmp_path):
     runs = {}
     for chunk in (0, 24):  # 2 x 63 predicted positions per micro-batch: 6 chunks

@@ -33,18 +33,6 @@ from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint, mixed_prec
 FAST = dict(seq_len=64, batch_size=2, objective="ce", lr=1e-2, decontaminate=False, checkpoint_every=0)
 
 
-@pytest.fixture(scope="module")
-def text_mix(tmp_path_factory) -> Path:
-    """A one-source recipe over a few real Python-docs files copied to a private dir."""
-    from qrecover.data import documents
-
-    d = tmp_path_factory.mktemp("texts")
-    for i, t in enumerate(documents("python-docs", "train")[:6]):
-        (d / f"doc{i}.txt").write_text(t)
-    recipe = d / "mix.toml"
-    recipe.write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{d}/*.txt"\nweight = 1.0\n')
-    return recipe
-
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_ckpt, text_mix, tmp_path_factory) -> Path:
