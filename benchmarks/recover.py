@@ -17,7 +17,8 @@ distillation run at 3.5 bpw rank 16 (the one-hour target); both objectives (dist
 'ce') at 3.5 bpw rank 16; both initialisations (the default error-SVD init and PEFT's B = 0, ':zero'); 3.7 bpw
 rank 16 (kd); ranks 8, 16 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter on the most damaged layers only.
 Row options: ':head=R' adds a rank-R LoRA on the tied output head; ':wsd' the warm-up-stable-decay schedule;
-':int8' also scores the same adapter exported with 8-bit weights (`--adapter-bits 8`: per-row int8 + fp16 scales,
+':damage' spreads the rank-R adapter's parameters over the layers by damage and error spectrum (`--rank-allocation
+damage`); ':int8' also scores the same adapter exported with 8-bit weights (`--adapter-bits 8`: per-row int8 + fp16 scales,
 quantized at save time from the same trained weights, so it needs no second training run).
 **Equal total bytes**: for every row, the adapter-free checkpoint of `qrecover compress --bpw <base + adapter bpw>`
 (the same total size) is scored as a reference row (`--no-references` skips them).
@@ -84,14 +85,14 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     return paths
 
 
-# BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:int8][@TOKENS]: every run is a curve (held-out perplexity
+# BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:int8][@TOKENS]: every run is a curve (held-out perplexity
 # as initialised and at the --points fractions of its tokens). The first is the long run of the one-hour target; the
 # others compare objectives, bit widths, ranks, a smaller adapter and the initialisation (':zero' = PEFT's B = 0
 # instead of the default error-SVD init, at the lr that suits it) at equal tokens.
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:int8][@TOKENS]"
+RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:int8][@TOKENS]"
 
 
 def parse_runs(spec: str, tokens: int) -> list[dict]:
@@ -102,7 +103,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         body, _, n = item.partition("@")
         parts = body.split(":")
-        run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False}
+        run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
+               "rank_allocation": "uniform"}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -114,6 +116,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                 run["schedule"], rest = rest[0], rest[1:]
             elif rest[0] == "int8":
                 run["int8"], rest = True, rest[1:]
+            elif rest[0] == "damage":
+                run["rank_allocation"], rest = "damage", rest[1:]
             elif rest[0].startswith("head=") and rest[0][5:].isdigit():
                 run["head_rank"], rest = int(rest[0][5:]), rest[1:]
             elif rest[0].startswith("lr="):
@@ -138,6 +142,7 @@ def run_name(r: dict) -> str:
             + ("" if r["init"] == "svd" else f"-{r['init']}") + ("" if r["lr"] is None else f"-lr{r['lr']:g}")
             + ("" if not r.get("head_rank") else f"-head{r['head_rank']}")
             + ("" if r.get("schedule", "cosine") == "cosine" else f"-{r['schedule']}")
+            + ("" if r.get("rank_allocation", "uniform") == "uniform" else "-damage")
             + f"-{r['tokens']}tok")
 
 
@@ -235,6 +240,7 @@ def main() -> None:
         milestones = sorted({round(f * n_tokens) for f in points if 0 < f < 1})
         cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, init=init,
                             seq_len=seq_len, checkpoint_every=0, head_rank=run["head_rank"], schedule=run["schedule"],
+                            rank_allocation=run.get("rank_allocation", "uniform"),
                             **({} if run["lr"] is None else {"lr": run["lr"]}))
         curve = []  # the first at 0 tokens: the quantized model with the adapter as initialised
         per_step = cfg.tokens_per_step
@@ -265,7 +271,7 @@ def main() -> None:
             curve.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
             row = {"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
                    "targets": targets, "init": init, "lr": cfg.lr, "head_rank": cfg.head_rank, "schedule": cfg.schedule,
-                   "adapter_bits": 16, "init_output_error_removed": meta["init"].get("output_error_removed"),
+                   "rank_allocation": cfg.rank_allocation, "adapter_bits": 16, "init_output_error_removed": meta["init"].get("output_error_removed"),
                    "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
                    "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                    "train_seconds": meta["training"]["seconds"], "wall_seconds": time.time() - t,
@@ -315,7 +321,8 @@ def _init(row: dict) -> str:
 def _adapter(r: dict) -> str:
     return (f"{r['objective']} r{r['rank']} " + ("" if r["targets"] == "all" else r["targets"] + " ")
             + (f"+ head r{r['head_rank']} " if r.get("head_rank") else "") + f"({r['layers']} layers)"
-            + (", wsd" if r.get("schedule") == "wsd" else "") + (", int8" if r.get("adapter_bits") == 8 else ""))
+            + (", wsd" if r.get("schedule") == "wsd" else "") + (", int8" if r.get("adapter_bits") == 8 else "")
+            + (", ranks by damage" if r.get("rank_allocation") == "damage" else ""))
 
 
 def _each(values: dict, fmt: str = "{:.2f}", scale: float = 1.0) -> str:

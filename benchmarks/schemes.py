@@ -67,6 +67,9 @@ MODELS = ROOT / "benchmarks" / "out" / "models"
 MODEL_DIR = Path("~/.cache/qrecover/models/smollm2-135m-instruct").expanduser()
 LLMC_PY = os.environ.get("QRECOVER_LLMC_PYTHON", "venv-llmc/bin/python")
 MIXED = "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64"
+# The same menu on the AWQ-transformed model (the transform is model-level; its scale search optimises the first
+# encoding that names it, 3-bit g64 here, the width most linear layers get at 3.7 bpw).
+MIXED_AWQ = "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64"
 
 # name -> settings. kind "qrecover": compress args; kind "llmc": llm-compressor modifier and quant args.
 # Group size 64: the default group of 128 does not divide the default model's 576 input columns (g128 rows are
@@ -83,6 +86,7 @@ ROWS: dict[str, dict] = {
     "default-3.7": {"kind": "qrecover", "bpw": 3.7, "embedding": "auto"},
     "mixed-3.7-fisher": {"kind": "qrecover", "encodings": MIXED, "bpw": 3.7, "embedding": "auto",
                          "scheme_params": ["weighting=fisher"]},
+    "mixed-awq-3.7": {"kind": "qrecover", "encodings": MIXED_AWQ, "bpw": 3.7, "embedding": "auto"},
     "llmc-gptq-w3g64": {"kind": "llmc", "method": "gptq", "bits": 3, "group": 64},
     "awq-w4g64": {"kind": "qrecover", "encodings": "awq+blockwise:4/b64/asym"},
     "awq+gptq-w3g64": {"kind": "qrecover", "encodings": "awq+gptq:3/g64/asym"},

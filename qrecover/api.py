@@ -147,7 +147,14 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
             fn = (lambda dw, st=st: linear_damage(dw, st["hessian"], st["out_grad_sq"])) if plan.damage else None
             units[name]["results"] = quantize_unit(linears[name].weight, units[name]["cands"], st, fn, cache)
 
-    layer_pass(model, windows, plan.layer, on_layer, device, show_progress)
+    # A uniform model (one linear encoding, no budget) with finalize on: finalize re-quantizes every linear on
+    # quantized inputs and nothing reads the candidates, so their pass is skipped (about half the time of a
+    # uniform GPTQ compress); their results stay DEFERRED and such a Prepared serves only that config.
+    if cfg.bpw is None and cfg.finalize and len(lin_encs) == 1:
+        for name in linears:
+            units[name]["results"] = [DEFERRED]
+    else:
+        layer_pass(model, windows, plan.layer, on_layer, device, show_progress)
     with progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
         emb_stats, fn = {}, None
@@ -181,6 +188,8 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
 
 
 _SAME = ("model", "calib_data", "calib_samples", "seq_len")
+#: a candidate that :func:`prepare` did not quantize (a uniform model that ``finalize`` quantizes)
+DEFERRED = (None, None)
 
 
 def compress(config: CompressConfig | None = None, out: str | Path | None = None, overwrite: bool = False,
@@ -215,6 +224,9 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
             f"{({k: getattr(cfg, k) for k in _SAME})}, linear {[e.label for e in lin_encs]}, embedding "
             f"{[e.label for e in emb_want]}: prepare again"
         )
+    if any(u["results"][0] is DEFERRED for u in p.units.values()) and (cfg.bpw is not None or not cfg.finalize):
+        raise QRecoverError("the prepared model has no linear candidates (it was prepared for a uniform model with "
+                            "finalize on, which quantizes them itself); prepare again with this config")
     if not emb_want:
         raise QRecoverError(f"no embedding encoding of {[e.label for e in emb_encs]} fits shape {emb_shape}; allow others with --embedding-encodings")
     in_scope_emb = cfg.scope == "model"
@@ -227,7 +239,8 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         allowed = lin_encs if u["kind"] == "linear" else emb_want
         keep = [k for k, c in enumerate(u["cands"]) if c in allowed]
         picks[n] = keep
-        table[n] = [Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1] or 0.0) for k in keep]
+        table[n] = [Choice(u["cands"][k].label, 0, 0.0) if u["results"][k] is DEFERRED else
+                    Choice(u["cands"][k].label, u["results"][k][0].nbytes, u["results"][k][1] or 0.0) for k in keep]
     budget = Budget(cfg.bpw, p.params["model"] if in_scope_emb else p.params["linear"],
                     remainder_bytes if in_scope_emb else 0,
                     [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb])

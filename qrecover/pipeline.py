@@ -24,7 +24,8 @@ working directory instead (its own directory is inside the installed package).
 (budget, rank); ``eval-<bpw>bpw`` per checkpoint; ``eval-<bpw>bpw-r<rank>`` per adapter; ``report``. A
 stage's key is the sha256 of its kind, its own config, the keys of the stages it consumes, the qrecover
 version and, for the stages that read the original model, its weights hash; data named by path is keyed
-by content (the mix recipe file, the calibration and perplexity text). Its output lives in
+by content (the mix recipe file, or the manifest of a ``qrecover data prepare`` directory named as ``mix``,
+the calibration and perplexity text). Its output lives in
 ``work_dir/<name>-<key[:12]>/`` and is complete when ``stage.json`` (written last, atomically) holds the
 key. So a rerun skips every completed stage, a changed config reruns that stage and what consumes it,
 and after a crash only unfinished stages run (an unfinished recover stage resumes its last checkpoint).
@@ -62,6 +63,8 @@ from .models import DEFAULT_MODEL, resolve, weights_sha256
 from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
 from .recovery.api import recover
 from .recovery.config import RecoverConfig
+from .recovery.shards import MANIFEST as PREPARED_MANIFEST
+from .recovery.shards import is_prepared
 from .reports.eval import EvalConfig, check_tasks, evaluate, save_results
 from .reports.render import write_report
 from .reports.results import load_results
@@ -401,7 +404,10 @@ def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tup
         value = options[name]
         resolved = str(recipe.path(value))
         run[name] = resolved
-        if what == "file":
+        if what == "file" and (section, name) == ("recover", "mix") and is_prepared(resolved):
+            # a directory of `qrecover data prepare`: its manifest holds every shard's sha256
+            keyed[name] = {"prepared_manifest_sha256": sha256_file(Path(resolved) / PREPARED_MANIFEST)}
+        elif what == "file":
             if not Path(resolved).is_file():
                 raise QRecoverError(f"[{section}] {name} = {value!r} does not exist (looked for {resolved}); paths are relative to the recipe")
             keyed[name] = {"sha256": sha256_file(resolved)}

@@ -222,7 +222,7 @@ def _cfg(model_dir, **kw):
 
 def test_needs_nothing_computes_nothing(tiny_model_dir, counted):
     """A uniform model whose quantizer needs no statistics: no Hessian, no backward pass."""
-    p = prepare(_cfg(tiny_model_dir, bpw=None, encodings="t_identity:8"), show_progress=False)
+    p = prepare(_cfg(tiny_model_dir, bpw=None, encodings="t_identity:8", finalize=False), show_progress=False)
     assert counted == {"xtx": 0, "gradients": 0}
     assert p.calibration["computed"] == {"layer_stats": [], "gradients": False, "damage": False}
     assert p.calibration["loss"] is None
@@ -233,9 +233,29 @@ def test_needs_nothing_computes_nothing(tiny_model_dir, counted):
     assert lin and all(v["label"] == "t_identity:8" and v["damage"] is None for v in lin)
 
 
+def test_uniform_model_with_finalize_skips_the_candidate_pass(tiny_model_dir, counted, tmp_path):
+    """One linear encoding, no budget, finalize on: finalize quantizes every linear on quantized inputs, so the
+    candidate pass (a Hessian per input group, a GPTQ per layer) is not run, and the checkpoint is the same."""
+    cfg = _cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32/asym")
+    p = prepare(cfg, show_progress=False)
+    assert counted == {"xtx": 0, "gradients": 0}  # finalize's own statistics come later, in compress
+    assert all(u["results"] == [qrecover.api.DEFERRED] for u in p.units.values() if u["kind"] == "linear")
+    m = compress(cfg, prepared=p, show_progress=False, out=tmp_path / "a")
+    assert counted["xtx"] == 2 * 4 * 2  # finalize: 2 layers x 4 input groups x 2 windows
+    # the same as with the candidates computed (the pass is forced by a second, non-uniform encoding list)
+    full = prepare(_cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32/asym", finalize=False), show_progress=False)
+    assert all(u["results"][0] is not qrecover.api.DEFERRED for u in full.units.values())
+    ref = compress(cfg, prepared=full, show_progress=False, out=tmp_path / "b")
+    assert m["weights_file"]["sha256"] == ref["weights_file"]["sha256"]
+    assert {n: v["nbytes"] for n, v in m["layers"].items()} == {n: v["nbytes"] for n, v in ref["layers"].items()}
+    with pytest.raises(QRecoverError, match="prepared model has no linear candidates.*prepare again"):
+        compress(_cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32/asym", finalize=False), prepared=p,
+                 show_progress=False, out=None)
+
+
 def test_hessian_once_per_distinct_input(tiny_model_dir, counted):
     """palettize needs the Hessian: computed once per window for q/k/v, o, gate/up and down (4), not per linear (7)."""
-    prepare(_cfg(tiny_model_dir, bpw=None, encodings="palettize:4"), show_progress=False)
+    prepare(_cfg(tiny_model_dir, bpw=None, encodings="palettize:4", finalize=False), show_progress=False)
     n_layers, windows = 2, 2
     assert counted["xtx"] == n_layers * 4 * windows
     assert counted["gradients"] == 0  # uniform: nothing to allocate, palettize needs no gradients
@@ -420,8 +440,8 @@ def test_bad_specs_fail_before_work(tiny_model_dir, counted, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu(tiny_model_dir):
-    a = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cpu"), show_progress=False)
-    b = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cuda"), show_progress=False)
+    a = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cpu", finalize=False), show_progress=False)
+    b = prepare(_cfg(tiny_model_dir, bpw=None, encodings="blockwise:4/b32/asym", device="cuda", finalize=False), show_progress=False)
     for n in a.units:
         wa, wb = a.units[n]["results"][0][0].dequantize(), b.units[n]["results"][0][0].dequantize()
         assert wb.device.type == "cpu"

@@ -24,6 +24,7 @@ import tomllib
 from cli_helpers import run as cli
 
 from qrecover.errors import QRecoverError
+from qrecover.io_utils import sha256_file
 from qrecover.pipeline import Recipe, load_recipe, make_plan, read_marker, run_pipeline
 
 BPW = [4.6, 5.0]  # the tiny model's embedding dominates: ~4.2 bpw is its floor
@@ -295,3 +296,21 @@ def test_only_runs_the_named_stages_and_publishes_when_all_are_done(exp, tiny_mo
     assert ran(summary) == ["eval-5bpw-r4"] and summary["report"] is None
     summary = run_pipeline(exp / "recipe.toml", show_progress=False)  # the rest, then the report
     assert ran(summary) == ["eval-4.6bpw-r4", "report"] and "report.json" in summary["published"]
+
+
+def test_recover_mix_may_name_a_prepared_data_directory_keyed_by_its_manifest(exp, tiny_model_dir):
+    """``[recover] mix = "prepared"`` (a `qrecover data prepare` output) runs, and its key follows the manifest."""
+    from qrecover.recovery.prepare import prepare_data
+
+    prepare_data(exp / "mix.toml", exp / "prepared", model=str(tiny_model_dir), workers=1, decontaminate=False)
+    (exp / "recipe.toml").write_text((exp / "recipe.toml").read_text().replace('mix = "mix.toml"', 'mix = "prepared"'))
+    plan = make_plan(load_recipe(exp / "recipe.toml"))
+    recover_stage = plan.stage("recover-5bpw-r4")
+    assert recover_stage.config["mix"] == {"prepared_manifest_sha256": sha256_file(exp / "prepared" / "manifest.json")}
+    summary = run_pipeline(exp / "recipe.toml", only=["recover-5bpw-r4"], show_progress=False)
+    meta = json.loads((recover_stage.dir / "adapter" / "qrecover_adapter.json").read_text())
+    assert meta["config"]["mix"] == str((exp / "prepared").resolve()) and "recover-5bpw-r4" in ran(summary)
+    manifest = json.loads((exp / "prepared" / "manifest.json").read_text())
+    manifest["note"] = "changed"
+    (exp / "prepared" / "manifest.json").write_text(json.dumps(manifest))
+    assert make_plan(load_recipe(exp / "recipe.toml")).stage("recover-5bpw-r4").key != recover_stage.key

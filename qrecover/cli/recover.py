@@ -48,6 +48,9 @@ def recover(
     batch_size: int = typer.Option(D("batch_size"), "--batch-size", help="Sequences per micro-batch (per process)."),
     grad_accum: int = typer.Option(D("grad_accum"), "--grad-accum", help="Micro-batches per optimizer step."),
     targets: str = typer.Option("all", "--targets", help="'all' quantized projections, or 'top:N' = the N most damaged layers (a smaller adapter)."),
+    rank_allocation: str = typer.Option(D("rank_allocation"), "--rank-allocation", help="'uniform' (--rank on every layer) or "
+                                        "'damage' (the same adapter size, ranks per layer by quantization damage and error "
+                                        "spectrum; needs the unquantized model)."),
     checkpoint_every: int = typer.Option(D("checkpoint_every"), "--checkpoint-every", help="Optimizer steps between resumable checkpoints (0: only "
                                                                                            "at the end)."),
     gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in backward: less memory, slower."),
@@ -91,7 +94,7 @@ def recover(
         raise QRecoverError("--ranks must name at least one rank, e.g. --ranks 8,16,32")
     configs = [RecoverConfig(rank=r, tokens=tokens, mix=None if mix is None else str(mix), objective=objective,
                              kd_weight=kd_weight, init=init, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                             targets=targets, checkpoint_every=checkpoint_every,
+                             targets=targets, rank_allocation=rank_allocation, checkpoint_every=checkpoint_every,
                              gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
                              decontaminate=not no_decontaminate, seed=seed, loss_chunk=loss_chunk,
                              teacher_device=teacher_device, head_rank=head_rank, schedule=schedule,

@@ -39,8 +39,9 @@ from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
 from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
-from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_error_svd, load_adapter, save_adapter
+from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, load_adapter, quantized_targets, save_adapter
 from .mix import Mix, MixLoader, load_mix, single_source_mix
+from .rank_alloc import damage_ranks
 from .shards import ShardLoader, check_tokenizer, is_prepared
 from .shards import read_manifest as read_data_manifest
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
@@ -184,6 +185,21 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manif
             "per_layer": captured}
 
 
+def _allocate_ranks(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, manifest: dict[str, Any], rank: int,
+                    targets: list[str] | None, show_progress: bool) -> dict[str, Any]:
+    """``--rank-allocation damage``: ranks per layer for the adapter size of rank ``rank`` everywhere, from the
+    layers' damage and error spectra on the checkpoint's calibration text (:mod:`.rank_alloc`)."""
+    from rich.console import Console
+
+    calib = manifest.get("calibration") or {}
+    t0 = time.time()
+    with Console(stderr=True).status("allocating adapter ranks by damage", spinner="dots") \
+            if show_progress else contextlib.nullcontext():
+        windows = token_windows(tokenizer, calib.get("source", "python-docs"), calib.get("split", "calib"), INIT_WINDOWS, 512)
+        out = damage_ranks(model, teacher, windows, quantized_targets(model, targets), rank, device=init_device())
+    return {"method": "damage", **out, "seconds": round(time.time() - t0, 1)}
+
+
 def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path: str | Path | Mix | None,
                  data: str | None = None, generator: Any = None, show_progress: bool = True) -> Any:
     """The packed data stream; ``generator`` is the unquantized instruct model (or its spec) for self-generated
@@ -245,8 +261,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         if cfg.decontaminate and mix["decontamination"] is None:
             raise QRecoverError(f"prepared data {cfg.mix!r} was made with --no-decontaminate; prepare it again without it, "
                                 "or train with --no-decontaminate")
-    if teacher is None and (cfg.objective != "ce" or cfg.init == "svd"):
-        _check_teacher_source(manifest, f"--objective {cfg.objective} --init {cfg.init}")
+    if teacher is None and (cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage"):
+        _check_teacher_source(manifest, f"--objective {cfg.objective} --init {cfg.init} --rank-allocation {cfg.rank_allocation}")
     elif teacher is None and isinstance(mix, Mix) and any(s.kind == "selfgen" and not s.model for s in mix.sources):
         _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
     with _run_dir(out, overwrite, resume):
@@ -256,11 +272,15 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         model = load(checkpoint, cache=cfg.cache_dequantized)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         manifest = model.qrecover_manifest
-        torch.manual_seed(cfg.seed)  # the LoRA A initialisation
-        peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, _select_targets(model, cfg), cfg.head_rank)
-        peft_model.qrecover_manifest = manifest
-        if (cfg.objective != "ce" or cfg.init == "svd") and teacher is None:
+        if (cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage") and teacher is None:
             teacher = load_teacher(manifest)
+        targets = _select_targets(model, cfg)
+        allocation = (_allocate_ranks(model, teacher, tokenizer, manifest, cfg.rank, targets, show_progress)
+                      if cfg.rank_allocation == "damage" else None)
+        torch.manual_seed(cfg.seed)  # the LoRA A initialisation
+        peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, targets, cfg.head_rank,
+                                 ranks=None if allocation is None else allocation["ranks"])
+        peft_model.qrecover_manifest = manifest
         # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
         init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
         world = process_state().num_processes
@@ -272,7 +292,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         if not summary["is_main_process"]:
             return {}
         return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,
-                       {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json"), "init": init})
+                       {"checkpoint_sha256": sha256_file(checkpoint / "qrecover.json"), "init": init,
+                        **({"rank_allocation": allocation} if allocation is not None else {})})
 
 
 def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_foreign_adapter: bool = False,

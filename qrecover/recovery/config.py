@@ -14,6 +14,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 INITS = ("svd", "zero")
 SCHEDULES = ("cosine", "wsd")
 ADAPTER_BITS = (16, 8)
+RANK_ALLOCATIONS = ("uniform", "damage")
 
 
 @dataclass
@@ -25,6 +26,9 @@ class RecoverConfig(DictConfig):
     init: str = doc_field("svd", "'svd': B A starts as the rank-r approximation of the quantization error W - Q(W), weighted by the "
                           "calibration inputs (LoftQ-style; needs the unquantized model); 'zero': PEFT's B = 0 (starts at the "
                           "quantized model). `finetune` ignores it: a feature adapter starts from its --init-adapter")
+    rank_allocation: str = doc_field("uniform", "'uniform': rank r on every target layer; 'damage': the same number of adapter "
+                                     "parameters (r x the sum of in + out) spread by each layer's quantization damage and "
+                                     "the spectrum of its error (qrecover/recovery/rank_alloc.py; needs the unquantized model)")
     targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
     tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
     mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped default mix (qrecover/recipes/default-mix.toml)")
@@ -107,6 +111,8 @@ class RecoverConfig(DictConfig):
                                 f"<= 1 (warmup={self.warmup}), e.g. 0.2")
         if self.adapter_bits not in ADAPTER_BITS:
             raise QRecoverError(f"--adapter-bits {self.adapter_bits!r} must be 16 or 8")
+        if self.rank_allocation not in RANK_ALLOCATIONS:
+            raise QRecoverError(f"--rank-allocation {self.rank_allocation!r} is unknown; choose from {list(RANK_ALLOCATIONS)}")
         if self.targets != "all":
             n = self.targets.removeprefix("top:")
             if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:

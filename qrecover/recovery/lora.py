@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +74,25 @@ def quantized_targets(model: nn.Module, only: list[str] | None = None) -> list[s
 
 
 def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0,
-                targets: list[str] | None = None, head_rank: int = 0):
+                targets: list[str] | None = None, head_rank: int = 0, ranks: dict[str, int] | None = None):
     """Wrap ``model`` in a PEFT LoRA model on its quantized projections; only the adapter trains.
 
     ``alpha`` defaults to ``2 * rank`` (scaling 2). B starts at zero, so the wrapped model's output equals
     the base model's at step 0. The LoRA layers are :class:`~qrecover.recovery.peft_quant.QuantLoraLinear`.
     ``head_rank > 0`` adds a rank-``head_rank`` LoRA on the tied output head (scaling 2 as well;
-    :mod:`qrecover.recovery.head_lora`), a PEFT ``rank_pattern`` entry for ``lm_head``.
+    :mod:`qrecover.recovery.head_lora`), a PEFT ``rank_pattern`` entry for ``lm_head``. ``ranks``: a rank per
+    layer (``{name: rank > 0}``, :mod:`qrecover.recovery.rank_alloc`), the targets then being those layers; alpha
+    follows each rank so that every layer keeps the scaling ``alpha / rank``.
     """
     if not (isinstance(rank, int) and rank > 0):
         raise QRecoverError(f"LoRA rank {rank!r} must be a positive integer, e.g. --rank 16")
     head, rank_pattern = head_config(model, head_rank)
+    if ranks is not None:
+        if not ranks or any(not isinstance(r, int) or r <= 0 for r in ranks.values()):
+            raise QRecoverError(f"per-layer ranks must be positive integers on at least one layer (got {dict(list(ranks.items())[:3])})")
+        targets = list(ranks)
+        # PEFT matches a rank_pattern key as a regex against the end of a module's name: escape the dots
+        rank_pattern = {**{re.escape(n): r for n, r in ranks.items()}, **rank_pattern}
     scaling = (alpha if alpha is not None else 2 * rank) / rank
     config = LoraConfig(r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
                         target_modules=quantized_targets(model, targets) + head, bias="none", task_type="CAUSAL_LM",
