@@ -208,6 +208,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     if out is not None and out.exists() and not overwrite:
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
     lin_encs, emb_encs = _encodings(cfg)
+    owned = prepared is None  # no caller keeps this Prepared for another budget: its candidates may be dropped
     if prepared is None:
         _check_budget_early(cfg, lin_encs, emb_encs)
         prepared = prepare(cfg, show_progress, lazy=lazy)
@@ -251,10 +252,16 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
 
     enc_of = {n: u["cands"][picks[n][chosen[n]]] for n, u in p.units.items()}
     qws = {n: u["results"][picks[n][chosen[n]]][0] for n, u in p.units.items()}
+    cand_damage = {n: u["results"][picks[n][chosen[n]]][1] for n, u in p.units.items()}
+    damage_table = {n: {c.label: d for c, (_, d) in zip(u["cands"], u["results"])} for n, u in p.units.items()}
     # stage finalize: re-quantize each chosen linear on the outputs of the quantized layers before it
     finfo: dict[str, Any] = {"enabled": bool(cfg.finalize)}
     if cfg.finalize:
         lin_names = [n for n, u in p.units.items() if u["kind"] == "linear"]
+        if owned:  # finalize replaces every linear's packed weights: free the candidates before it makes them
+            for n in lin_names:
+                p.units[n]["results"] = None
+                qws[n] = None
         fixed = {n: qws[n] for n, u in p.units.items() if u["kind"] != "linear"}
         final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
                                p.grads["out_grad_sq"] if p.grads is not None else None,
@@ -268,7 +275,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     damages = []
     for n, u in p.units.items():
         k = picks[n][chosen[n]]
-        qw, damage = qws[n], u["results"][k][1]
+        qw, damage = qws[n], cand_damage[n]
         damages.append(damage)
         for tname, t in qw.tensors.items():
             tensors[f"{n}.{tname}"] = t.contiguous()
@@ -292,7 +299,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         "layers": layer_info,
         "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in p.remainder.items()},
         "sensitivity": {"method": METHOD, "unit": "predicted increase of mean next-token loss (nats)",
-                        "table": {n: {c.label: d for c, (_, d) in zip(u["cands"], u["results"])} for n, u in p.units.items()},
+                        "table": damage_table,
                         "predicted_loss_increase": None if any(d is None for d in damages) else sum(damages)},
         "calibration": p.calibration,
         "finalize": finfo,
