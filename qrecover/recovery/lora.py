@@ -222,6 +222,33 @@ def init_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def each_layer_input(teacher: nn.Module, windows: torch.Tensor, names: list[str], fn, fix: str) -> None:
+    """One no-grad forward of ``teacher`` over ``windows`` calling ``fn(name, input)`` once per layer of ``names``
+    as its input appears (its first call), hooks removed after; a layer that sees no input is an error ending in
+    ``fix``. Only the last position's logits are computed where the model allows it."""
+    modules = dict(teacher.named_modules())
+    seen: set[str] = set()
+
+    def hook(name: str):
+        def call(_mod, inputs, _out):
+            if name not in seen:
+                seen.add(name)
+                fn(name, inputs[0])
+        return call
+
+    handles = [modules[n].register_forward_hook(hook(n)) for n in names]
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(teacher.forward).parameters else {}
+    try:
+        with torch.no_grad():
+            teacher(input_ids=windows.to(next(teacher.parameters()).device), use_cache=False, **kw)
+    finally:
+        for h in handles:
+            h.remove()
+    never = sorted(set(names) - seen)
+    if never:
+        raise QRecoverError(f"layers {never[:3]} of the unquantized model saw no input in its forward; {fix}")
+
+
 def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Tensor, damp: float = 0.01,
                    method: str = "auto", device: str | torch.device | None = None, seed: int = 0) -> dict[str, float]:
     """Set every adapter's ``B A`` to the input-weighted rank-r approximation of its layer's quantization error.
@@ -264,24 +291,10 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
         sums["before"] += e0
         sums["after"] += e1
 
-    def hook(name: str):
-        def fn(_mod, inputs, _out):
-            if name not in captured:
-                correct(name, inputs[0])
-        return fn
-
-    handles = [modules[n].register_forward_hook(hook(n)) for n in layers]
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(teacher.forward).parameters else {}
     try:
-        with torch.no_grad():
-            teacher(input_ids=windows.to(next(teacher.parameters()).device), use_cache=False, **kw)
+        each_layer_input(teacher, windows, list(layers), correct, "use --init zero")
     finally:
-        for h in handles:
-            h.remove()
         last.clear()
-    never = sorted(set(layers) - set(captured))
-    if never:
-        raise QRecoverError(f"layers {never[:3]} of the unquantized model saw no input in its forward; use --init zero")
     before, after = sums["before"], sums["after"]
     captured = {n: captured[n] for n in layers}
     captured["_total"] = 1.0 - after / before if before > 0 else 0.0

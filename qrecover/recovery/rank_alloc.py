@@ -22,14 +22,13 @@ adapter. The result is a PEFT ``rank_pattern``: the adapter loads with plain PEF
 from __future__ import annotations
 
 import heapq
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import QRecoverError
-from .lora import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, _weighting
+from .lora import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, _weighting, each_layer_input
 
 MAX_RANK_FACTOR = 4  # a layer's rank is at most this many times the mean rank
 
@@ -78,27 +77,12 @@ def error_spectra(model: nn.Module, teacher: nn.Module, windows: torch.Tensor, n
     dev = torch.device(device)
     out: dict[str, tuple[torch.Tensor, float]] = {}
 
-    def hook(name: str):
-        def fn(_mod, inputs, _out):
-            if name in out:
-                return
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(dev, torch.float32)
-            error = modules[name].weight.detach().to(dev, torch.float64) - quant[name].weight.detach().to(dev, torch.float64)
-            out[name] = top_spectrum(error, k, x, damp)
-        return fn
+    def spectrum(name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
+        error = modules[name].weight.detach().to(dev, torch.float64) - quant[name].weight.detach().to(dev, torch.float64)
+        out[name] = top_spectrum(error, k, x, damp)
 
-    handles = [modules[n].register_forward_hook(hook(n)) for n in names]
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(teacher.forward).parameters else {}
-    try:
-        with torch.no_grad():
-            teacher(input_ids=windows.to(next(teacher.parameters()).device), use_cache=False, **kw)
-    finally:
-        for h in handles:
-            h.remove()
-    never = sorted(set(names) - set(out))
-    if never:
-        raise QRecoverError(f"layers {never[:3]} of the unquantized model saw no input in its forward; "
-                            "use --rank-allocation uniform")
+    each_layer_input(teacher, windows, names, spectrum, "use --rank-allocation uniform")
     return {n: out[n] for n in names}
 
 
