@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import platform
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
-from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors
+from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
@@ -62,6 +63,16 @@ def resolve_device(spec: str) -> torch.device:
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise QRecoverError(f"--device {spec}: CUDA is not available here; use --device cpu or auto")
     return torch.device(spec)
+
+
+def _check_linears(model: nn.Module, linears: dict[str, nn.Module]) -> None:
+    """Refuse a model whose decoder layers hold no ``nn.Linear`` (GPT-2's ``Conv1D``, say): nothing to quantize."""
+    if not linears:
+        kinds = sorted({type(m).__name__ for layer in decoder_layers(model)[:1] for m in layer.modules()
+                        if any(p.dim() >= 2 for p in m.parameters(recurse=False))})
+        raise QRecoverError(f"{type(model).__name__}'s decoder layers have no nn.Linear layers to quantize (their "
+                            f"matrices live in {kinds}); qrecover quantizes nn.Linear projections: convert the model "
+                            "to one whose projections are nn.Linear")
 
 
 def _check_shapes(lin: list[Encoding], shapes: dict[str, tuple[int, int]]) -> None:
@@ -113,6 +124,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     linears = {f"{prefix}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
+    _check_linears(model, linears)
     emb, head, tied = model.get_input_embeddings(), model.get_output_embeddings(), is_tied(model)
     emb_name = module_name(model, emb)
     head_name = module_name(model, head) if head is not None else None
@@ -245,10 +257,13 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     budget = Budget(cfg.bpw, p.params["model"] if in_scope_emb else p.params["linear"],
                     remainder_bytes if in_scope_emb else 0,
                     [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb])
+    unquantized = unquantized_matrices(p.model, {f"{n}.weight" for n, u in p.units.items() if u["kind"] == "linear"})
     try:
         chosen = choose(table, budget, cfg.allocation)
     except Infeasible as e:
-        raise _infeasible(cfg, e.lo, e.hi) from None
+        raise _infeasible(cfg, e.lo, e.hi, unquantized) from None
+    if unquantized:
+        warnings.warn(f"qrecover: {_unquantized_note(unquantized)}", stacklevel=2)
 
     enc_of = {n: u["cands"][picks[n][chosen[n]]] for n, u in p.units.items()}
     qws = {n: u["results"][picks[n][chosen[n]]][0] for n, u in p.units.items()}
@@ -298,6 +313,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         "config": cfg.to_dict(),
         "layers": layer_info,
         "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in p.remainder.items()},
+        "unquantized_matrices": unquantized,
         "sensitivity": {"method": METHOD, "unit": "predicted increase of mean next-token loss (nats)",
                         "table": damage_table,
                         "predicted_loss_increase": None if any(d is None for d in damages) else sum(damages)},
@@ -313,14 +329,24 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
                                    "prepare_seconds": round(p.seconds, 1)})
 
 
-def _infeasible(cfg: CompressConfig, lo: float, hi: float) -> QRecoverError:
+def _infeasible(cfg: CompressConfig, lo: float, hi: float, unquantized: dict[str, list[int]] | None = None) -> QRecoverError:
     choices = f"--encodings {cfg.encodings}" if cfg.encodings else f"--bits {','.join(map(str, cfg.bits))}"
     emb = f"--embedding-encodings {cfg.embedding_encodings}" if cfg.embedding_encodings else f"--embedding-bits {cfg.embedding_bits}"
+    why = (f" ({_unquantized_note(unquantized)}; --scope linear budgets the quantized layers alone)"
+           if unquantized and cfg.scope == "model" else "")
     return QRecoverError(
         f"--bpw {cfg.bpw} is below what these choices can reach: with {choices}, "
         f"{emb} and --scope {cfg.scope} the smallest is {lo:.3f} bpw and the "
-        f"largest {hi:.3f} bpw; raise --bpw or allow lower --bits"
+        f"largest {hi:.3f} bpw{why}; raise --bpw or allow lower --bits"
     )
+
+
+def _unquantized_note(unquantized: dict[str, list[int]]) -> str:
+    n = sum(math.prod(s) for s in unquantized.values())
+    names = ", ".join(f"{k} {tuple(v)}" for k, v in list(unquantized.items())[:2])
+    return (f"{len(unquantized)} matrices of the decoder layers ({n:,} parameters, e.g. {names}) stay in 16 bits, "
+            "counted in the bpw: mixture-of-experts routers by design; fused expert tensors and other matrices that "
+            "are not nn.Linear weights are not quantized yet")
 
 
 def _meta_model(cfg: CompressConfig):
@@ -346,6 +372,7 @@ def _check_budget_early(cfg: CompressConfig, lin_encs: list[Encoding], emb_encs:
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
     lin = {f"{prefix}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
+    _check_linears(model, lin)
     _check_shapes(lin_encs, {n: tuple(m.weight.shape) for n, m in lin.items()})
     for t in transforms_of(lin_encs + emb_encs):
         get_transform(t).check(model)
@@ -370,7 +397,8 @@ def _check_budget_early(cfg: CompressConfig, lin_encs: list[Encoding], emb_encs:
         denom, fixed = n_lin, 0
     lo = sum(min(s) for s in sizes) + fixed
     if math.floor(cfg.bpw * denom / 8) < lo:
-        raise _infeasible(cfg, _bpw(lo, denom), _bpw(sum(max(s) for s in sizes) + fixed, denom))
+        raise _infeasible(cfg, _bpw(lo, denom), _bpw(sum(max(s) for s in sizes) + fixed, denom),
+                          unquantized_matrices(model, {f"{n}.weight" for n in lin}))
 
 
 def _versions() -> dict[str, str]:

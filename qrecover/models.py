@@ -435,9 +435,31 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return candidates[0]
 
 
+def is_router(name: str, modules: dict[str, nn.Module]) -> bool:
+    """A mixture-of-experts routing gate: ``gate``/``router`` beside an ``experts`` module, or a
+    ``shared_expert_gate``. Routers are tiny and decide which experts run: they stay in 16 bits (as
+    llm-compressor's and GPTQModel's MoE recipes keep them)."""
+    parent, _, leaf = name.rpartition(".")
+    if leaf == "shared_expert_gate":
+        return True
+    return leaf in ("gate", "router") and hasattr(modules.get(parent), "experts")
+
+
 def linear_layers(layer: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
-    """Every ``nn.Linear`` inside one decoder layer, by qualified name, in module order."""
-    return {f"{prefix}{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    """Every ``nn.Linear`` inside one decoder layer, by qualified name, in module order; mixture-of-experts
+    routers excepted (:func:`is_router`)."""
+    modules = dict(layer.named_modules())
+    return {f"{prefix}{n}": m for n, m in modules.items() if isinstance(m, nn.Linear) and not is_router(n, modules)}
+
+
+def unquantized_matrices(model: nn.Module, quantized: set[str]) -> dict[str, list[int]]:
+    """``{name: shape}`` of the decoder layers' parameters of two or more dimensions that no unit quantizes
+    (``quantized``: parameter names): fused mixture-of-experts tensors (``experts.gate_up_proj (E, 2I, H)``
+    in transformers 5), routers, convolutions. They stay in 16 bits, counted in the bpw."""
+    layers = decoder_layers(model)
+    prefix = module_name(model, layers)
+    return {f"{prefix}.{i}.{n}": list(p.shape) for i, layer in enumerate(layers)
+            for n, p in layer.named_parameters() if p.dim() >= 2 and f"{prefix}.{i}.{n}" not in quantized}
 
 
 def module_name(model: nn.Module, module: nn.Module) -> str:

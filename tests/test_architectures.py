@@ -57,7 +57,22 @@ ARCHS = {
         dict(tie_word_embeddings=True, head_dim=16, sliding_window=32)),
     "phi3": (T.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0)),
     "mistral": (T.MistralConfig, dict(tie_word_embeddings=False, sliding_window=32)),
+    # further families: q/k norms (olmo2), multipliers (granite), partial rotary + LayerNorm with biases
+    # (stablelm, gpt_neox, phi), fused qkv (gpt_neox), biased MLPs (starcoder2), parallel blocks (cohere)
+    "olmo2": (T.Olmo2Config, dict(tie_word_embeddings=False)),
+    "granite": (T.GraniteConfig, dict(tie_word_embeddings=True)),
+    "stablelm": (T.StableLmConfig, dict(tie_word_embeddings=False)),
+    "gpt_neox": (T.GPTNeoXConfig, dict(tie_word_embeddings=False)),
+    "phi": (T.PhiConfig, dict(tie_word_embeddings=False)),
+    "starcoder2": (T.Starcoder2Config, dict(tie_word_embeddings=True)),
+    "cohere": (T.CohereConfig, dict(tie_word_embeddings=True)),
+    "smollm3": (T.SmolLM3Config, dict(tie_word_embeddings=True, pad_token_id=0)),
+    # mixture of experts: attention quantized; routers kept in 16 bits; fused expert tensors not quantized yet
+    "mixtral": (T.MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (T.Qwen2MoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=64)),
 }
+MOE = ("mixtral", "qwen2_moe")
 TEXT = ("def mean(values):\n    \"\"\"Return the arithmetic mean of a non-empty sequence of numbers.\"\"\"\n"
         "    return sum(values) / len(values)\n\nThe function raises ZeroDivisionError for an empty list.")
 
@@ -96,6 +111,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
+@pytest.mark.filterwarnings("ignore:qrecover. .* matrices of the decoder layers")  # the MoE models (tested below)
 def test_eight_bit_round_trip(name, tok_dir, tmp_path):
     src, out = tmp_path / name, tmp_path / f"{name}-8bit"
     orig = _build(name, src, tok_dir)
@@ -204,3 +220,37 @@ def test_packed_scaled_embedding_pickles_and_copies():
     for other in (copy.deepcopy(new), pickle.loads(pickle.dumps(new))):
         assert type(other) is type(new) and float(other.embed_scale) == 3.0
         assert torch.equal(other(ids), new(ids))
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_routers_stay_16_bit_and_unquantized_experts_are_reported(name, tok_dir, tmp_path):
+    """Routers (``mlp.gate``, ``shared_expert_gate``) are never quantized; fused expert tensors (3-D parameters
+    in transformers 5) stay in 16 bits with a warning and a manifest entry, and a budget they make impossible
+    says why."""
+    src = tmp_path / name
+    orig = _build(name, src, tok_dir)
+    cfg = dict(model=str(src), calib_samples=2, seq_len=64, embedding_bits="8")
+    with pytest.warns(UserWarning, match=r"matrices of the decoder layers .* stay in 16 bits.*fused expert tensors"):
+        manifest = compress(CompressConfig(bpw=None, bits=[4], **cfg), out=tmp_path / "q", show_progress=False)
+    layers, unq = manifest["layers"], manifest["unquantized_matrices"]
+    experts = {n: list(p.shape) for n, p in orig.named_parameters() if ".experts." in n and p.dim() == 3}
+    assert experts and all(unq[n] == shape for n, shape in experts.items())
+    routers = [n for n, m in orig.named_modules() if n.endswith((".mlp.gate", "shared_expert_gate"))]
+    assert routers and not any(r in layers for r in routers)
+    assert all(f"{r}.weight" in manifest["remainder"] for r in routers)
+    assert any(n.endswith("self_attn.q_proj") for n in layers)  # attention is quantized
+    with pytest.raises(QRecoverError, match=r"--bpw 3.0 is below .*fused expert tensors .* --scope linear"):
+        compress(CompressConfig(bpw=3.0, **cfg), out=tmp_path / "q3", show_progress=False)
+
+
+def test_a_model_without_linear_layers_is_refused_by_name(tok_dir, tmp_path):
+    src = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(T.GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4, n_positions=256)
+                                     ).save_pretrained(src)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, src / f.name)
+    with pytest.raises(QRecoverError, match=r"GPT2LMHeadModel's decoder layers have no nn.Linear .*\['Conv1D'\]"):
+        compress(CompressConfig(model=str(src), bpw=3.7, calib_samples=2, seq_len=64), out=tmp_path / "q",
+                 show_progress=False)
+    assert not (tmp_path / "q").exists()
