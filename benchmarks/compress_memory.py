@@ -9,7 +9,8 @@ fp32 weights), saved in fp32, one shard per decoder layer, under benchmarks/out/
 Each row is one `qrecover compress` subprocess at one cheap encoding (uniform `blockwise:4/b64`, embedding
 `blockwise:4/b64`, no budget: no gradient pass), `--calib-samples 2 --seq-len 256` (a small calibration:
 at 8 x 512 tokens the default model alone took 3 minutes a run on one shared core), finalize on, `--device cpu`, OMP_NUM_THREADS=1; peak RSS
-from `os.wait4`'s rusage (ru_maxrss), wall time around the subprocess. The whole-model path is the same CLI
+= the child's own VmHWM (not os.wait4's ru_maxrss, which Linux keeps across fork + execve), wall time around the
+subprocess and its CPU time (user + system). The whole-model path is the same CLI
 with `api.compress(lazy=False)`; it is skipped for a model whose fp32 weights exceed a third of the
 memory available now (`--force-full` runs it anyway).
 
@@ -44,8 +45,24 @@ BIG = dict(hidden_size=1536, num_attention_heads=24, num_key_value_heads=8, head
            num_hidden_layers=30)
 ARGS = ["--uniform", "--encodings", "blockwise:4/b64", "--embedding-encodings", "blockwise:4/b64",
         "--calib-samples", "2", "--seq-len", "256", "--device", "cpu", "--json", "--overwrite"]
-FULL = ("import sys, functools, qrecover.api as a; a.compress = functools.partial(a.compress, lazy=False); "
-        "from qrecover.cli import main; sys.argv = ['qrecover'] + sys.argv[1:]; main()")
+# The child: ``python -c CHILD REPORT LAZY ARGS...``; it writes its own VmHWM (kB) to REPORT at exit. Not
+# os.wait4's ru_maxrss: Linux keeps that across fork + execve, so a child reports at least the parent's peak.
+CHILD = """
+import atexit, functools, sys
+report, lazy = sys.argv[1], sys.argv[2] == "1"
+def _hwm():
+    with open("/proc/self/status") as f:
+        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(report, "w") as out:
+        out.write(kb)
+atexit.register(_hwm)
+import qrecover.api as a
+if not lazy:
+    a.compress = functools.partial(a.compress, lazy=False)
+from qrecover.cli import main
+sys.argv = ["qrecover"] + sys.argv[3:]
+main()
+"""
 
 
 def build_big(dst: Path) -> int:
@@ -84,23 +101,26 @@ def build_big(dst: Path) -> int:
 
 
 def run(model: Path, lazy: bool, out: Path) -> dict:
-    """One compress subprocess: ``{peak_rss_gb, wall_s, rc}`` (peak from os.wait4's ru_maxrss)."""
+    """One compress subprocess: ``{peak_rss_gb, wall_s, cpu_s, rc}`` (peak: the child's own VmHWM)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    head = [sys.executable, "-m", "qrecover.cli"] if lazy else [sys.executable, "-c", FULL]
-    cmd = head + ["compress", "--model", str(model), "--out", str(out)] + ARGS
     t0 = time.time()
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as err:
+        report = Path(tmp) / "vmhwm"
+        cmd = [sys.executable, "-c", CHILD, str(report), "1" if lazy else "0",
+               "compress", "--model", str(model), "--out", str(out)] + ARGS
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
         stdout = proc.stdout.read()
-        _, status, usage = os.wait4(proc.pid, 0)  # (not proc.wait(): its rusage is what this measures)
+        _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the CPU seconds (user + system)
         wall = time.time() - t0
         proc.stdout.close()
         rc = proc.returncode = os.waitstatus_to_exitcode(status)
         if rc != 0:
             err.seek(0)
             sys.stderr.write(err.read().decode()[-3000:])
+        peak = int(report.read_text()) * 1024 if report.exists() else None
     summary = json.loads(stdout) if rc == 0 else None
-    return {"peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), "wall_s": round(wall, 1), "rc": rc,
+    return {"peak_rss_gb": None if peak is None else round(peak / 1e9, 2), "wall_s": round(wall, 1),
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "rc": rc,
             "measured_bpw": summary["measured_bpw"]["model"] if summary else None}
 
 
