@@ -549,7 +549,7 @@ def _make_toy():
 def test_register_custom_quantizer_end_to_end(monkeypatch):
     from qrecover.qlinear import QuantLinear
 
-    monkeypatch.setattr(schemes_base, "_REGISTRY", dict(schemes_base._REGISTRY))  # leave the real registry alone
+    monkeypatch.setattr(schemes_base, "_REGISTRY", schemes_base._REGISTRY.copy())  # leave the real registry alone
     toy = register_quantizer(_make_toy())
     assert "toy-sign-test" in quantizer_names()
     assert register_quantizer(toy) is toy  # registering the same class again is harmless

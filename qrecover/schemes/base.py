@@ -15,6 +15,7 @@ import torch
 
 from ..errors import QRecoverError
 from ..fields import doc_field  # noqa: F401  (re-exported: schemes declare their config fields with it)
+from ..registry import Registry
 
 #: statistics a quantizer may ask calibration for (per linear layer, over calibration tokens)
 #: - ``input_sq``: ``(in_features,)`` mean of x_j**2, the per-input-channel importance
@@ -101,26 +102,21 @@ class Quantizer:
         return QuantizedWeight(self.name, bits, tuple(shape), self.params, tensors)
 
 
-_REGISTRY: dict[str, type[Quantizer]] = {}
+_REGISTRY = Registry("scheme", "quantizer")
 
 
 def register_quantizer(cls: type[Quantizer]) -> type[Quantizer]:
     """Class decorator: make a quantizer available by its ``name``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"a quantizer named {cls.name!r} is already registered: {_REGISTRY[cls.name]}")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.register(cls)
 
 
 def quantizer_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_quantizer(name: str, **params: Any) -> Quantizer:
     """The registered quantizer ``name`` built with ``params`` (its config fields)."""
-    if name not in _REGISTRY:
-        raise QRecoverError(f"unknown scheme {name!r}; registered schemes: {quantizer_names()}")
-    cls = _REGISTRY[name]
+    cls = _REGISTRY.lookup(name)
     known = {f.name for f in dataclasses.fields(cls.Config)}
     unknown = set(params) - known
     if unknown:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from ..errors import QRecoverError
+from ..registry import Registry
 
 QuantizeFn = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -42,26 +42,21 @@ class Transform:
         raise NotImplementedError
 
 
-_TRANSFORMS: dict[str, type[Transform]] = {}
+_TRANSFORMS = Registry("transform", "transform")
 
 
 def register_transform(cls: type[Transform]) -> type[Transform]:
     """Class decorator: make a transform available by its ``name``."""
-    if cls.name in _TRANSFORMS and _TRANSFORMS[cls.name] is not cls:
-        raise ValueError(f"a transform named {cls.name!r} is already registered: {_TRANSFORMS[cls.name]}")
-    _TRANSFORMS[cls.name] = cls
-    return cls
+    return _TRANSFORMS.register(cls)
 
 
 def transform_names() -> list[str]:
-    return sorted(_TRANSFORMS)
+    return _TRANSFORMS.names()
 
 
 def get_transform(name: str, **params: Any) -> Transform:
     """The registered transform ``name`` built with ``params``."""
-    if name not in _TRANSFORMS:
-        raise QRecoverError(f"unknown transform {name!r}; registered transforms: {transform_names()}")
-    return _TRANSFORMS[name](**params)
+    return _TRANSFORMS.lookup(name)(**params)
 
 
 __all__ = ["QuantizeFn", "Transform", "get_transform", "register_transform", "transform_names"]
