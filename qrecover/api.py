@@ -20,6 +20,7 @@ from .config import CompressConfig
 from .data import token_windows
 from .errors import QRecoverError
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
+from .moe import unfuse_experts
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
@@ -257,7 +258,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     budget = Budget(cfg.bpw, p.params["model"] if in_scope_emb else p.params["linear"],
                     remainder_bytes if in_scope_emb else 0,
                     [n for n, u in p.units.items() if u["kind"] == "linear" or in_scope_emb])
-    unquantized = unquantized_matrices(p.model, {f"{n}.weight" for n, u in p.units.items() if u["kind"] == "linear"})
+    unquantized, routers = unquantized_matrices(p.model, {f"{n}.weight" for n, u in p.units.items() if u["kind"] == "linear"})
     try:
         chosen = choose(table, budget, cfg.allocation)
     except Infeasible as e:
@@ -314,6 +315,8 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         "layers": layer_info,
         "remainder": {k: {"dtype": "float16", "shape": list(v.shape)} for k, v in p.remainder.items()},
         "unquantized_matrices": unquantized,
+        **({"routers": routers} if routers else {}),
+        **({"moe": {"unfused": p.model.qrecover_moe}} if getattr(p.model, "qrecover_moe", None) else {}),
         "sensitivity": {"method": METHOD, "unit": "predicted increase of mean next-token loss (nats)",
                         "table": damage_table,
                         "predicted_loss_increase": None if any(d is None for d in damages) else sum(damages)},
@@ -344,9 +347,9 @@ def _infeasible(cfg: CompressConfig, lo: float, hi: float, unquantized: dict[str
 def _unquantized_note(unquantized: dict[str, list[int]]) -> str:
     n = sum(math.prod(s) for s in unquantized.values())
     names = ", ".join(f"{k} {tuple(v)}" for k, v in list(unquantized.items())[:2])
-    return (f"{len(unquantized)} matrices of the decoder layers ({n:,} parameters, e.g. {names}) stay in 16 bits, "
-            "counted in the bpw: mixture-of-experts routers by design; fused expert tensors and other matrices that "
-            "are not nn.Linear weights are not quantized yet")
+    return (f"{len(unquantized)} matrices of the decoder layers ({n:,} parameters, e.g. {names}) are not nn.Linear "
+            "weights qrecover can quantize (fused experts of a layout qrecover.moe does not convert, convolutions) "
+            "and stay in 16 bits, counted in the bpw")
 
 
 def _meta_model(cfg: CompressConfig):
@@ -358,7 +361,9 @@ def _meta_model(cfg: CompressConfig):
         return None  # a GGUF is checked after loading
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        unfuse_experts(model)  # as load_model will (on the meta device: shapes only)
+        return model
     except ValueError as e:
         raise QRecoverError(f"{str(path)!r} is not a causal language model: {e}") from None
 
@@ -398,7 +403,7 @@ def _check_budget_early(cfg: CompressConfig, lin_encs: list[Encoding], emb_encs:
     lo = sum(min(s) for s in sizes) + fixed
     if math.floor(cfg.bpw * denom / 8) < lo:
         raise _infeasible(cfg, _bpw(lo, denom), _bpw(sum(max(s) for s in sizes) + fixed, denom),
-                          unquantized_matrices(model, {f"{n}.weight" for n in lin}))
+                          unquantized_matrices(model, {f"{n}.weight" for n in lin})[0])
 
 
 def _versions() -> dict[str, str]:
@@ -438,6 +443,8 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     manifest, packed, state = read_packed(path, verify)
     config = AutoConfig.from_pretrained(path)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if manifest.get("moe", {}).get("unfused"):  # the experts modules compress converted (qrecover.moe)
+        unfuse_experts(model, only=manifest["moe"]["unfused"])
     for name, info in manifest["layers"].items():
         qw = packed[name]
         parent_name, _, child = name.rpartition(".")

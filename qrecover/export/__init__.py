@@ -65,6 +65,10 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
                             "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
+    if ckpt.manifest.get("moe", {}).get("unfused"):
+        raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
+                            f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "
+                            f"{fmt} is not supported yet: load it with qrecover.load")
     merge = None
     if merge_adapter:
         if fmt == "compressed-tensors" and spec is None:
