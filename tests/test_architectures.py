@@ -28,6 +28,7 @@ import shutil
 import pytest
 import torch
 import transformers as T
+from cli_helpers import run as cli
 from tokenizers.processors import TemplateProcessing
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -227,7 +228,7 @@ def test_packed_scaled_embedding_pickles_and_copies():
 
 
 @pytest.mark.parametrize("name", MOE)
-def test_moe_experts_are_quantized_per_expert_and_routers_stay_16_bit(name, tok_dir, tmp_path):
+def test_moe_experts_are_quantized_per_expert_and_routers_stay_16_bit(name, tok_dir, tmp_path, capsys):
     """Fused experts (3-D ``gate_up_proj``/``down_proj``) become one linear pair per expert, quantized with the
     others under a budget, each calibrated on its own routed tokens; routers (``mlp.gate``,
     ``shared_expert_gate``) stay in 16 bits; the checkpoint reloads to the same logits as the dequantized
@@ -265,6 +266,9 @@ def test_moe_experts_are_quantized_per_expert_and_routers_stay_16_bit(name, tok_
     ids = AutoTokenizer.from_pretrained(tmp_path / "q")(TEXT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert _rel(q(ids).logits, ref(ids).logits) < 1e-5
+    code, out, err = cli(["info", tmp_path / "q"], capsys)
+    text = " ".join((err + out).split())
+    assert code == 0 and f"MoE │ {len(blocks)} experts blocks quantized per expert; {len(routers)} routers" in text
     pytest.importorskip("compressed_tensors")
     from qrecover.export import export
 

@@ -50,6 +50,12 @@ def info(
     t.add_row("predicted loss increase", "not estimated (nothing to allocate)" if pred is None else f"{pred:.4f} nats")
     fin = m.get("finalize", {})
     t.add_row("finalize", f"on: {fin.get('mode')}, {fin.get('seconds')} s" if fin.get("enabled") else "off")
+    if m.get("moe"):
+        n = len(m["moe"]["unfused"])
+        t.add_row("MoE", f"{n} experts blocks quantized per expert; {len(m.get('routers', {}))} routers in 16 bits")
+    if m.get("unquantized_matrices"):
+        u = m["unquantized_matrices"]
+        t.add_row("not quantized", f"{len(u)} matrices in 16 bits (e.g. {next(iter(u))}): not nn.Linear weights qrecover can quantize")
     if m.get("transforms"):
         t.add_row("transforms", f"{'+'.join(m['transforms']['names'])} ({m['transforms']['applies_to']})")
     c = m["calibration"]
