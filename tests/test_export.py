@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from cli_helpers import run
 
 from qrecover.api import compress, load, perplexity
 from qrecover.config import CompressConfig
+from qrecover.errors import QRecoverError
 from qrecover.export import export
 from qrecover.export.common import integer_layout, read_checkpoint
 from qrecover.export.gguf_format import encode_q4, map_layer, row_permutation
@@ -479,3 +482,23 @@ def test_merged_coreml_package_holds_the_merged_palettized_tables(tiny_ckpt, tmp
         assert np.array_equal(idx.reshape(o, i), codes), n
         changed += not torch.equal(qw.dequantize(), ckpt.layers[n].dequantize())
     assert changed == len(packed) - rep["merge"]["layers_kept_original"] and changed > 0
+
+
+def test_gguf_refuses_a_sentencepiece_style_bpe_tokenizer(sym_ckpt, tmp_path):
+    """A Metaspace ('▁') BPE tokenizer.json (Mistral's, Llama 2's) is a BPE too; written as GPT-2 BPE it would
+    tokenize wrongly in llama.cpp, so it is refused with the reason and the alternative (nothing written)."""
+    pytest.importorskip("gguf")
+    from qrecover.export.gguf_format import is_byte_level_bpe
+
+    ckpt = Path(shutil.copytree(sym_ckpt, tmp_path / "spm"))
+    tj = json.loads((ckpt / "tokenizer.json").read_text())
+    assert is_byte_level_bpe(tj)  # the default model's: GPT-2 style
+    tj["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    tj["model"]["byte_fallback"] = True
+    (ckpt / "tokenizer.json").write_text(json.dumps(tj))
+    assert not is_byte_level_bpe(tj)
+    assert is_byte_level_bpe({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split"}, {"type": "ByteLevel"}]}})
+    with pytest.raises(QRecoverError, match="no byte-level BPE tokenizer.json.*Metaspace.*--format compressed-tensors"):
+        export(ckpt, "gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

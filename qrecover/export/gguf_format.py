@@ -191,15 +191,27 @@ def _source_pre(ckpt: Checkpoint) -> str:
     return "default"
 
 
+def is_byte_level_bpe(tokenizer_json: dict[str, Any]) -> bool:
+    """True for a GPT-2 style tokenizer.json: a BPE model behind a ByteLevel pre-tokenizer (alone or in a
+    Sequence). A SentencePiece-style BPE (Metaspace '▁', byte fallback) is a BPE too, but llama.cpp reads it
+    as another vocabulary type ('llama'): written as 'gpt2' it would tokenize wrongly."""
+    if tokenizer_json.get("model", {}).get("type") != "BPE":
+        return False
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return any(p.get("type") == "ByteLevel" for p in parts if isinstance(p, dict))
+
+
 def add_tokenizer(writer, ckpt: Checkpoint, vocab_size: int) -> dict[str, Any]:
     """Tokens, types, merges, special ids and chat template, as llama.cpp's converter writes a GPT-2 BPE vocabulary."""
     gguf = _gguf()
     from transformers import AutoTokenizer
 
     tj = ckpt.path / "tokenizer.json"
-    if not tj.is_file() or json.loads(tj.read_text())["model"]["type"] != "BPE":
+    if not tj.is_file() or not is_byte_level_bpe(json.loads(tj.read_text())):
         raise QRecoverError(f"{ckpt.path} has no byte-level BPE tokenizer.json: GGUF export writes GPT-2 style BPE "
-                            "vocabularies only (SentencePiece is not supported yet)")
+                            "vocabularies only (SentencePiece-style tokenizers, e.g. Mistral's and Gemma's, with a "
+                            "'▁' Metaspace, are not supported yet); use --format compressed-tensors")
     tok = AutoTokenizer.from_pretrained(ckpt.path)
     added = {i: a for i, a in tok.added_tokens_decoder.items()}
     tokens, types = [], []
