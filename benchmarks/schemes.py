@@ -13,9 +13,9 @@ its own (``os.wait4`` rusage of the child):
   share qrecover's venv; the row is skipped with a note when it or ``llmcompressor`` is missing) with
   ``--llmc-worker``: ``oneshot`` with GPTQModifier (or AWQModifier + QuantizationModifier) on Linear layers except
   lm_head, int asymmetric groups, calibrated on *qrecover's own* calibration token windows (dumped by this script
-  from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights with
-  safetensors; their perplexity is then measured in qrecover's venv on the original model with those weights
-  loaded (same protocol). Its embedding (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit
+  from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights and every
+  other tensor oneshot changed (AWQ folds its scales into the norms) with safetensors; their perplexity is then
+  measured in qrecover's venv on the original model with those tensors loaded (same protocol). Its embedding (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit
   per channel. The llmc bpw is the nominal one of its packed format (bits + fp16 scale and zero per group).
 
 Finished rows are cached in benchmarks/out/schemes/*.json, keyed by the row's settings, so a re-run skips them.
@@ -306,7 +306,8 @@ def run_llmc(name: str, s: dict, calib_samples: int, work: Path, llmc_py: str, m
 
 
 def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path = MODEL_DIR) -> None:
-    """Runs under llm-compressor's venv: oneshot on qrecover's calibration windows, save dequantized linears."""
+    """Runs under llm-compressor's venv: oneshot on qrecover's calibration windows, save dequantized linears (and
+    the other tensors it changed)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.gptq import GPTQModifier
@@ -321,6 +322,10 @@ def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path
     windows = torch.load(windows_path)
     ds = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # every tensor but the linear weights, to save those AWQ changes (its smoothing scales are folded into the
+    # norms before each group of linears: the linears alone on the original norms are a different function)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()
+              if not (k.endswith(".weight") and isinstance(model.get_submodule(k.rsplit(".", 1)[0]), torch.nn.Linear))}
     weights = {"num_bits": s["bits"], "type": "int", "symmetric": False, "strategy": "group", "group_size": s["group"]}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
     if s["method"] == "gptq":
@@ -341,10 +346,13 @@ def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path
             on_grid = on_grid and bool(torch.allclose(dq, w, atol=1e-5))
             sd[n + ".weight"] = dq.contiguous()
             lin += w.numel()
+    state = model.state_dict()
+    changed = [k for k, v in before.items() if k in state and not torch.equal(state[k].detach().float(), v.float())]
+    sd.update({k: state[k].detach().float().clone().contiguous() for k in changed})  # e.g. AWQ's rescaled norms
     save_file(sd, out_path)
     all_params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"oneshot_seconds": seconds, "on_grid": on_grid, "linear_params": lin, "all_params": all_params,
-                      "layers": len(sd)}))
+                      "layers": len(sd) - len(changed), "changed_other_tensors": len(changed)}))
 
 
 def ppl_with(weights: str, model_dir: Path | None = None) -> None:
