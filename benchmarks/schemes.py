@@ -94,6 +94,7 @@ ROWS: dict[str, dict] = {
     "awq+gptq-w4g64": {"kind": "qrecover", "encodings": "awq+gptq:4/g64/asym"},
     "awq-w3g64": {"kind": "qrecover", "encodings": "awq+blockwise:3/b64/asym"},
     "llmc-awq-w3g64": {"kind": "llmc", "method": "awq", "bits": 3, "group": 64},
+    "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym", "finalize_groups": "layer"},
     "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
     "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
 }
@@ -249,6 +250,8 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
         cmd += ["--bpw", str(s["bpw"])]
     for p in s.get("scheme_params", []):
         cmd += ["--scheme-param", p]
+    if s.get("finalize_groups"):
+        cmd += ["--finalize-groups", s["finalize_groups"]]
     rc, out, err, wall, rss = run_child(cmd, child_env())
     cpu = CPU_SECONDS[-1]
     if rc:

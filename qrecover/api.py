@@ -281,7 +281,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         fixed = {n: qws[n] for n, u in p.units.items() if u["kind"] != "linear"}
         final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
                                p.grads["out_grad_sq"] if p.grads is not None else None,
-                               resolve_device(cfg.device), show_progress)
+                               resolve_device(cfg.device), show_progress, groups=cfg.finalize_groups)
         qws.update(final)
         finfo.update(info)
 

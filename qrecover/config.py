@@ -29,6 +29,10 @@ class CompressConfig(DictConfig):
                                                       "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
     finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "
                                      "(GPTQ's sequential mode)")
+    finalize_groups: str = doc_field("input", "finalize's order inside a decoder layer: 'input' (true-sequential: the linears sharing an "
+                                              "input, q/k/v then o then gate/up then down, each group's statistics taken with the earlier "
+                                              "groups quantized) or 'layer' (one statistics pass for the whole layer, as llm-compressor's "
+                                              "GPTQ: about 2 layer forwards per window instead of 3.3, measured in benchmarks/schemes.py)")
     device: str = doc_field("auto", "where calibration, quantization and finalize run: 'cpu', 'cuda' (or 'cuda:N') or 'auto' (CUDA when available); "
                                     "one decoder layer is on it at a time")
     allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly "
@@ -48,6 +52,8 @@ class CompressConfig(DictConfig):
     def validate(self) -> None:
         if self.bpw is not None and not (self.bpw > 0 and math.isfinite(self.bpw)):
             raise QRecoverError(f"--bpw {self.bpw} must be positive and finite, e.g. --bpw 3.7")
+        if self.finalize_groups not in ("input", "layer"):
+            raise QRecoverError(f"--finalize-groups {self.finalize_groups!r} must be 'input' (true-sequential) or 'layer'")
         if self.scope not in ("model", "linear"):
             raise QRecoverError(f"--scope {self.scope!r} must be 'model' or 'linear'")
         if not self.bits:

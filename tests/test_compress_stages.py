@@ -253,6 +253,33 @@ def test_uniform_model_with_finalize_skips_the_candidate_pass(tiny_model_dir, co
                  show_progress=False, out=None)
 
 
+def test_finalize_groups_layer_takes_one_statistics_pass_per_layer(tiny_model_dir, tmp_path, monkeypatch):
+    """--finalize-groups layer: one statistics pass per decoder layer (true-sequential: one per input group);
+    the first group (q/k/v, fed the same quantized layer input either way) comes out identical, the later
+    groups differ (their statistics were taken before q/k/v were quantized)."""
+    import qrecover.stages.finalize as fin
+    from qrecover.checkpoint import read_packed
+
+    calls = []
+    real = fin.layer_stats
+    monkeypatch.setattr(fin, "layer_stats", lambda *a, **k: calls.append(len(a[3])) or real(*a, **k))
+    out = {}
+    for mode in ("input", "layer"):
+        calls.clear()
+        m = compress(_cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32/asym", finalize_groups=mode),
+                     out=tmp_path / mode, show_progress=False)
+        assert m["finalize"]["mode"].startswith("true-sequential" if mode == "input" else "layer")
+        out[mode] = (list(calls), read_packed(tmp_path / mode)[1])
+    assert out["input"][0] == [3, 1, 2, 1] * 2 and out["layer"][0] == [7, 7]  # linears per statistics pass
+    a, b = out["input"][1], out["layer"][1]
+    first = "model.layers.0.self_attn.q_proj"
+    assert all(torch.equal(a[first].tensors[t], b[first].tensors[t]) for t in a[first].tensors)
+    later = "model.layers.0.mlp.down_proj"
+    assert not all(torch.equal(a[later].tensors[t], b[later].tensors[t]) for t in a[later].tensors)
+    with pytest.raises(QRecoverError, match="--finalize-groups 'all' must be 'input'"):
+        _cfg(tiny_model_dir, finalize_groups="all")
+
+
 def test_hessian_once_per_distinct_input(tiny_model_dir, counted):
     """palettize needs the Hessian: computed once per window for q/k/v, o, gate/up and down (4), not per linear (7)."""
     prepare(_cfg(tiny_model_dir, bpw=None, encodings="palettize:4", finalize=False), show_progress=False)

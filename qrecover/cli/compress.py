@@ -60,6 +60,8 @@ def compress(
                                                                                   "--scheme-param group_size=8 --scheme-param iters=50."),
     finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="Re-quantize each layer with its chosen encoding on the outputs of the "
                                                                          "already quantized layers (default on)."),
+    finalize_groups: str = typer.Option("input", "--finalize-groups", help="'input': true-sequential (q/k/v, o, gate/up, down each "
+                                        "calibrated after the ones before are quantized); 'layer': one pass per layer (faster)."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when available): where calibration, quantization and "
                                                         "finalize run, one decoder layer at a time."),
     allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
@@ -95,7 +97,7 @@ def compress(
         model=model, bpw=target, scope=scope, bits=widths, scheme=scheme,
         scheme_params=params, embedding_bits=embedding_bits, allocation=allocation, calib_data=calib_data,
         calib_samples=calib_samples, seq_len=seq_len, encodings=encodings, embedding_encodings=embedding_encodings,
-        finalize=finalize, device=device,
+        finalize=finalize, finalize_groups=finalize_groups, device=device,
     )
     if out is None:
         name = Path(model).stem if model else DEFAULT_MODEL
