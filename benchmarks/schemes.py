@@ -15,8 +15,9 @@ its own (``os.wait4`` rusage of the child):
   lm_head, int asymmetric groups, calibrated on *qrecover's own* calibration token windows (dumped by this script
   from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights and every
   other tensor oneshot changed (AWQ folds its scales into the norms) with safetensors; their perplexity is then
-  measured in qrecover's venv on the original model with those tensors loaded (same protocol). Its embedding (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit
-  per channel. The llmc bpw is the nominal one of its packed format (bits + fp16 scale and zero per group).
+  measured in qrecover's venv on the original model with those tensors loaded (same protocol). Its embedding
+  (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit per channel. The llmc bpw is the
+  nominal one of its packed format (bits + fp16 scale and zero per group).
 
 Finished rows are cached in benchmarks/out/schemes/*.json, keyed by the row's settings, so a re-run skips them.
 
