@@ -71,7 +71,8 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
         cfg = CompressConfig(bpw=bpw)
-        if (d / "qrecover.json").exists() and read_manifest(d)["config"] == cfg.to_dict():
+        # a field added to CompressConfig since the checkpoint was written is equal when it holds its default
+        if (d / "qrecover.json").exists() and {**CompressConfig().to_dict(), **read_manifest(d)["config"]} == cfg.to_dict():
             paths[bpw] = d
         else:
             todo.append((bpw, d, cfg))

@@ -126,15 +126,9 @@ ARCH_COMMON = dict(vocab_size=49152, hidden_size=256, intermediate_size=768, num
 
 
 # Why a row has no numbers in the committed report (two sessions' runs of 2026-11-24 on 2 shared cores).
-NOT_RUN = {
-    "llmc-gptq-w4g64": "session 9: stopped for time (~65 s of CPU per decoder layer, projected ~33 min); session 10: the worker "
-                       "failed to import transformers (benchmarks/kernels.py shadowed the `kernels` package; fixed since), "
-                       "not re-run for time",
-    "llmc-awq-w4g64": "session 10: the worker failed to import transformers (benchmarks/kernels.py shadowed the `kernels` "
-                      "package; fixed since), not re-run for time",
-}
-NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores each qrecover row took 11-29 min here, llm-compressor's GPTQ a "
-                   "projected ~33 min of CPU")
+NOT_RUN: dict[str, str] = {}  # row name -> why the committed report has no numbers for it (else NOT_RUN_DEFAULT)
+NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores a qrecover row took 4-22 min of CPU here, llm-compressor's "
+                   "AWQ 28 min")
 
 
 def row_key(name: str, calib_samples: int) -> str:
