@@ -192,15 +192,9 @@ def bench_multi_adapter(device: str, shape: tuple[int, int], timed: bool, rank: 
 
 def _tokenizer_and_text(d: Path) -> str:
     """A byte-level tokenizer saved into ``d`` and a synthetic calibration text file; returns the text path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from benchmarks.common import save_byte_level_tokenizer
 
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(d)
+    save_byte_level_tokenizer(d)
     g = torch.Generator().manual_seed(0)
     words = ["the", "kernel", "reads", "packed", "codes", "table", "row", "bits", "weight", "decode", "token", "of"]
     paras = [" ".join(words[i] for i in torch.randint(0, len(words), (200,), generator=g).tolist()) for _ in range(400)]

@@ -62,20 +62,16 @@ PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
 
 def build(d: Path, config: dict) -> Path:
     """The random model, a byte-level tokenizer and a synthetic text under ``d`` (reused when present)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.common import save_byte_level_tokenizer
 
     src = d / "model"
     if (src / "config.json").is_file() and json.loads((src / "config.json").read_text())["hidden_size"] == config["hidden_size"]:
         return src
     shutil.rmtree(d, ignore_errors=True)
     src.mkdir(parents=True)
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(src)
+    save_byte_level_tokenizer(src)
     g = torch.Generator().manual_seed(0)
     words = ["the", "adapter", "reads", "packed", "codes", "table", "row", "bits", "weight", "teacher", "token", "of",
              "loss", "gradient", "step", "batch"]

@@ -121,7 +121,7 @@ def _layerwise_step(model: nn.Module, device: torch.device):
 def _fill_experts(out_grad_sq: dict[str, torch.Tensor], lin: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
     """Every linear of ``lin`` in ``out_grad_sq``: an expert no calibration token was routed to (no gradient)
     gets the mean of its block's other experts of the same kind (an average expert of that layer: not zero,
-    which would send it to the lowest width), else the mean over its output features of all linears."""
+    which would send it to the lowest width); any other linear without a gradient is an error."""
     missing = [n for n in lin if n not in out_grad_sq]
     for n in missing:
         key = expert_key(n)

@@ -408,3 +408,26 @@ def test_experts_left_fused_stay_16_bit_with_a_warning_and_a_budget_hint(tok_dir
     monkeypatch.setattr(qrecover.api, "_check_budget_early", lambda *a: None)
     with pytest.raises(QRecoverError, match=r"--bpw 3.0 is below .*experts.*--scope linear budgets the quantized layers alone"):
         compress(CompressConfig(bpw=3.0, **cfg), out=tmp_path / "q3", show_progress=False)
+
+
+def test_each_layer_input_gives_unreached_experts_the_identity():
+    """The svd init and the rank allocation see an expert no token reached as inputs X = I (unweighted); any
+    other layer without input is an error naming the fix."""
+    from qrecover.recovery.lora import each_layer_input
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleDict({str(e): nn.ModuleDict({"gate_up_proj": nn.Linear(8, 4)}) for e in range(3)})
+            self.unused = nn.Linear(8, 4)
+
+        def forward(self, input_ids, use_cache=False):  # only expert 0 receives tokens
+            return self.experts["0"]["gate_up_proj"](torch.ones(2, 8))
+
+    model, ids, seen = Model(), torch.zeros(1, 2, dtype=torch.long), {}
+    experts = [f"experts.{e}.gate_up_proj" for e in range(3)]
+    with pytest.raises(QRecoverError, match=r"layers \['unused'\] of the unquantized model saw no input .*; use --init zero"):
+        each_layer_input(model, ids, experts + ["unused"], lambda n, x: None, "use --init zero")
+    each_layer_input(model, ids, experts, lambda n, x: seen.setdefault(n, x), "fix")
+    assert list(seen) == experts and torch.equal(seen[experts[0]], torch.ones(2, 8))
+    assert torch.equal(seen[experts[1]], torch.eye(8)) and torch.equal(seen[experts[2]], torch.eye(8))

@@ -166,36 +166,40 @@ def load_teacher(manifest: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def _init_from_error(peft_model, teacher: torch.nn.Module, tokenizer: Any, manifest: dict[str, Any],
-                     show_progress: bool) -> dict[str, Any]:
-    """``init='svd'``: every adapter starts as the input-weighted rank-r approximation of its layer's quantization
-    error, the inputs being the teacher's on the checkpoint's own calibration text (split ``calib``)."""
-    from rich.console import Console
-
-
+def _calibration_windows(tokenizer: Any, manifest: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """``(record, windows)``: ``INIT_WINDOWS`` x 512 tokens of the checkpoint's own calibration text (split
+    ``calib``), whose teacher inputs weight the 'svd' initialisation and the rank allocation."""
     calib = manifest.get("calibration") or {}
     source, split = calib.get("source", "python-docs"), calib.get("split", "calib")
-    t0 = time.time()
-    with Console(stderr=True).status("initialising adapters from the quantization error", spinner="dots") \
-            if show_progress else contextlib.nullcontext():
-        windows = token_windows(tokenizer, source, split, INIT_WINDOWS, 512)
-        captured = init_error_svd(peft_model, teacher, windows)
-    return {"method": "svd", "calibration": {"source": source, "split": split, "tokens": int(windows.numel())},
-            "output_error_removed": captured.pop("_total"), "seconds": round(time.time() - t0, 1),
-            "per_layer": captured}
+    windows = token_windows(tokenizer, source, split, INIT_WINDOWS, 512)
+    return {"source": source, "split": split, "tokens": int(windows.numel())}, windows
 
 
-def _allocate_ranks(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, manifest: dict[str, Any], rank: int,
-                    targets: list[str] | None, show_progress: bool) -> dict[str, Any]:
-    """``--rank-allocation damage``: ranks per layer for the adapter size of rank ``rank`` everywhere, from the
-    layers' damage and error spectra on the checkpoint's calibration text (:mod:`.rank_alloc`)."""
+def _status(text: str, show: bool):
+    """A spinner on stderr while ``text`` runs (nothing when ``show`` is False)."""
     from rich.console import Console
 
-    calib = manifest.get("calibration") or {}
+    return Console(stderr=True).status(text, spinner="dots") if show else contextlib.nullcontext()
+
+
+def _init_from_error(peft_model, teacher: torch.nn.Module, calibration: tuple[dict[str, Any], torch.Tensor],
+                     show_progress: bool) -> dict[str, Any]:
+    """``init='svd'``: every adapter starts as the input-weighted rank-r approximation of its layer's quantization
+    error, the inputs being the teacher's on ``calibration`` (:func:`_calibration_windows`)."""
+    record, windows = calibration
     t0 = time.time()
-    with Console(stderr=True).status("allocating adapter ranks by damage", spinner="dots") \
-            if show_progress else contextlib.nullcontext():
-        windows = token_windows(tokenizer, calib.get("source", "python-docs"), calib.get("split", "calib"), INIT_WINDOWS, 512)
+    with _status("initialising adapters from the quantization error", show_progress):
+        captured = init_error_svd(peft_model, teacher, windows)
+    return {"method": "svd", "calibration": record, "output_error_removed": captured.pop("_total"),
+            "seconds": round(time.time() - t0, 1), "per_layer": captured}
+
+
+def _allocate_ranks(model: torch.nn.Module, teacher: torch.nn.Module, windows: torch.Tensor, rank: int,
+                    targets: list[str] | None, show_progress: bool) -> dict[str, Any]:
+    """``--rank-allocation damage``: ranks per layer for the adapter size of rank ``rank`` everywhere, from the
+    layers' damage and error spectra on the calibration ``windows`` (:mod:`.rank_alloc`)."""
+    t0 = time.time()
+    with _status("allocating adapter ranks by damage", show_progress):
         out = damage_ranks(model, teacher, windows, quantized_targets(model, targets), rank, device=init_device())
     return {"method": "damage", **out, "seconds": round(time.time() - t0, 1)}
 
@@ -275,14 +279,16 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         if (cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage") and teacher is None:
             teacher = load_teacher(manifest)
         targets = _select_targets(model, cfg)
-        allocation = (_allocate_ranks(model, teacher, tokenizer, manifest, cfg.rank, targets, show_progress)
+        calibration = (_calibration_windows(tokenizer, manifest)  # tokenized once for the allocation and the init
+                       if cfg.init == "svd" or cfg.rank_allocation == "damage" else None)
+        allocation = (_allocate_ranks(model, teacher, calibration[1], cfg.rank, targets, show_progress)
                       if cfg.rank_allocation == "damage" else None)
         torch.manual_seed(cfg.seed)  # the LoRA A initialisation
         peft_model = attach_lora(model, cfg.rank, cfg.alpha, cfg.dropout, targets, cfg.head_rank,
                                  ranks=None if allocation is None else allocation["ranks"])
         peft_model.qrecover_manifest = manifest
         # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
-        init = _init_from_error(peft_model, teacher, tokenizer, manifest, show_progress) if cfg.init == "svd" else {"method": "zero"}
+        init = _init_from_error(peft_model, teacher, calibration, show_progress) if cfg.init == "svd" else {"method": "zero"}
         world = process_state().num_processes
         generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
         loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,

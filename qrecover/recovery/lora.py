@@ -226,8 +226,9 @@ def init_device() -> torch.device:
 def each_layer_input(teacher: nn.Module, windows: torch.Tensor, names: list[str], fn, fix: str) -> None:
     """One no-grad forward of ``teacher`` over ``windows`` calling ``fn(name, input)`` once per layer of ``names``
     as its input appears (its first call), hooks removed after; a layer that sees no input is an error ending in
-    ``fix``, except a mixture-of-experts expert no token was routed to: ``fn(name, None)`` for it after the
-    forward. Only the last position's logits are computed where the model allows it."""
+    ``fix``, except a mixture-of-experts expert no token was routed to: after the forward, ``fn(name, I)`` for it
+    (the identity as its inputs: no input weighting, as plain rounding). Only the last position's logits are
+    computed where the model allows it."""
     modules = dict(teacher.named_modules())
     seen: set[str] = set()
 
@@ -250,8 +251,9 @@ def each_layer_input(teacher: nn.Module, windows: torch.Tensor, names: list[str]
     bad = [n for n in never if expert_key(n) is None]
     if bad:
         raise QRecoverError(f"layers {bad[:3]} of the unquantized model saw no input in its forward; {fix}")
-    for n in never:  # experts no token was routed to: no input statistics (unweighted, as plain rounding)
-        fn(n, None)
+    for n in never:
+        w = modules[n].weight
+        fn(n, torch.eye(w.shape[1], device=w.device))
 
 
 def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Tensor, damp: float = 0.01,
@@ -277,13 +279,11 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     sums = {"before": 0.0, "after": 0.0}
     last: dict[str, Any] = {}  # the inputs of the layer being corrected: (the tensor seen, its copy on dev)
 
-    def correct(name: str, x: torch.Tensor | None) -> None:
+    def correct(name: str, x: torch.Tensor) -> None:
         mod = layers[name]
-        if x is None:  # an expert no calibration token reached: the plain (unweighted) error, X = I
-            xs = torch.eye(mod.in_features, device=dev)
-        elif last.get("seen") is not x:
+        if last.get("seen") is not x:
             last["seen"], last["x"] = x, x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
-        xs = xs if x is None else last["x"]
+        xs = last["x"]
         a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
         scaling = mod.scaling["default"]
         error = modules[name].weight.detach().to(dev, torch.float64) - mod.base_layer.weight.detach().to(dev, torch.float64)

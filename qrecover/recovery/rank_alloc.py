@@ -77,8 +77,8 @@ def error_spectra(model: nn.Module, teacher: nn.Module, windows: torch.Tensor, n
     dev = torch.device(device)
     out: dict[str, tuple[torch.Tensor, float]] = {}
 
-    def spectrum(name: str, x: torch.Tensor | None) -> None:  # None: an expert no token reached (X = I)
-        x = torch.eye(quant[name].in_features, device=dev) if x is None else x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
+    def spectrum(name: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
         error = modules[name].weight.detach().to(dev, torch.float64) - quant[name].weight.detach().to(dev, torch.float64)
         out[name] = top_spectrum(error, k, x, damp)
 
