@@ -5,7 +5,9 @@
 
 Their forward is the reference path: dequantize the packed weight, then a dense matmul (or lookup).
 With ``cache=True`` a module keeps its dequantized weight after the first forward (fast repeated
-evaluation on CPU, at the memory cost of a dense weight); the packed buffers stay the source of truth.
+evaluation on CPU, at the memory cost of a dense weight); the packed tensors stay the source of truth.
+They are buffers (frozen, never trained); :func:`packed_as_parameters` turns them into frozen parameters
+for FSDP, which shards parameters only (``RecoverConfig.shard_base``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from .schemes import QuantizedWeight, get_quantizer
 
 
 class _Packed(nn.Module):
-    """Common part: the packed tensors as buffers plus what is needed to dequantize them."""
+    """Common part: the packed tensors as buffers (or frozen parameters, :func:`packed_as_parameters`) plus what
+    is needed to dequantize them."""
 
     def __init__(self, qw: QuantizedWeight, cache: bool = False):
         nn.Module.__init__(self)  # not nn.Linear.__init__: there is no dense weight Parameter to allocate
@@ -38,14 +41,19 @@ class _Packed(nn.Module):
     def _apply(self, fn, recurse=True):
         """``.to()``/``.half()``/``.cuda()``: the packed tensors move device but keep their stored dtypes (a
         cast would change what is stored, and fp16 tables through bf16 would lose bits); a dtype change sets
-        :attr:`compute_dtype` instead. The dense cache is dropped."""
+        :attr:`compute_dtype` instead. The dense cache is dropped. The same whether the packed tensors are
+        buffers or frozen parameters (:func:`packed_as_parameters`)."""
         probe, probe16 = fn(torch.zeros((), dtype=torch.float32)), fn(torch.zeros((), dtype=torch.float16))
-        packed = {n: self._buffers.pop(n) for n in self._tensor_names}
+        held = [(store, n, store.pop(n)) for n in self._tensor_names for store in (self._buffers, self._parameters)
+                if n in store]
         try:
             super()._apply(fn, recurse)
         finally:
-            for n, t in packed.items():
-                self._buffers[n] = t.to(device=probe.device)
+            for store, n, t in held:
+                moved = t.to(device=probe.device)
+                if isinstance(t, nn.Parameter) and not isinstance(moved, nn.Parameter):
+                    moved = nn.Parameter(moved, requires_grad=False)
+                store[n] = moved
         if probe.dtype != torch.float32 or probe16.dtype != torch.float16:  # a cast, not only a move
             self.compute_dtype = probe.dtype
         self._dense = None
@@ -188,6 +196,37 @@ def _new_packed_embedding(base: type) -> QuantEmbedding:
     """An empty ``Quant<base>`` for unpickling (its state is set by ``__setstate__``)."""
     klass = _packed_embedding_class(base)
     return klass.__new__(klass)
+
+
+def packed_as_parameters(model: nn.Module) -> None:
+    """Hold the packed tensors of every packed module in ``model`` as frozen parameters (``requires_grad=False``)
+    instead of buffers, and turn their dense cache off: what FSDP needs to shard the base (it shards parameters and
+    keeps buffers whole on every process), and a cached dense weight would be a whole copy per process.
+
+    State-dict names, :attr:`_Packed.packed` and ``.to(dtype)`` (which casts none of them) are unchanged. 0-dim
+    tensors stay buffers: FSDP shards along dim 0.
+    """
+    for m in model.modules():
+        if isinstance(m, _Packed):
+            m.cache, m._dense = False, None
+            for n in m._tensor_names:
+                t = m._buffers.get(n)
+                if t is not None and t.dim() > 0:
+                    del m._buffers[n]
+                    m.register_parameter(n, nn.Parameter(t, requires_grad=False))
+
+
+def local_packed_bytes(model: nn.Module) -> int:
+    """Bytes of packed weights this process holds: the whole base, or this process's shards when FSDP shards it
+    (a sharded tensor counts its local part)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, _Packed):
+            for n in m._tensor_names:
+                t = getattr(m, n)
+                t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this process's shard
+                total += t.numel() * t.element_size()
+    return total
 
 
 class QuantLMHead(nn.Module):

@@ -7,6 +7,10 @@ same adapter to float tolerance (the loss is the token mean over the global batc
 micro-batches and accumulation does not matter; the mix has chat data whose masked labels make the token counts
 differ between sequences); the same on prepared token shards. A resume that changes the global batch is
 refused, naming the fix; FSDP and DeepSpeed launches are refused with the reason.
+
+``--shard-base`` (torch FSDP2 over the frozen packed base, the adapter whole on every process): the same 2-process
+run gives the 1-process adapter, each process holds half the packed base bytes (the DDP run: all of them), and
+checkpoints cross between sharded 2-process and unsharded 1-process runs in both directions.
 """
 
 from __future__ import annotations
@@ -107,8 +111,28 @@ def two_process_run(tiny_ckpt, chat_text_mix, tmp_path_factory) -> Path:
     return out
 
 
-def test_two_processes_give_the_adapter_of_one_with_the_same_global_batch(two_process_run, tiny_ckpt, chat_text_mix,
-                                                                          tmp_path):
+@pytest.fixture(scope="module")
+def one_process_run(tiny_ckpt, chat_text_mix, tmp_path_factory) -> Path:
+    """The reference: the same run on 1 process x batch 4 x grad_accum 1 (the same global batch)."""
+    out = tmp_path_factory.mktemp("one") / "r4"
+    recover(tiny_ckpt, out, RecoverConfig(mix=str(chat_text_mix), batch_size=4, grad_accum=1, **RUN), show_progress=False,
+            keep_checkpoints=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny_ckpt, chat_text_mix, tmp_path_factory) -> Path:
+    """The 2-process run with the packed base sharded (FSDP2) and gradient checkpointing."""
+    out = tmp_path_factory.mktemp("fsdp") / "r4"
+    _torchrun_recover(tiny_ckpt, out, chat_text_mix, "--gradient-checkpointing", "--shard-base")
+    return out
+
+
+def _training(run: Path) -> dict:
+    return json.loads((run / "qrecover_adapter.json").read_text())["training"]
+
+
+def test_two_processes_give_the_adapter_of_one_with_the_same_global_batch(two_process_run, one_process_run, tiny_ckpt):
     meta = json.loads((two_process_run / "qrecover_adapter.json").read_text())
     assert meta["training"]["world_size"] == 2 and meta["training"]["steps"] == STEPS
     assert meta["training"]["tokens"] == RUN["tokens"]  # counted over both processes
@@ -116,11 +140,82 @@ def test_two_processes_give_the_adapter_of_one_with_the_same_global_batch(two_pr
     assert state["world"] == 2 and state["tokens"] == 2 * GLOBAL * SEQ
     assert state["loader"]["sequences"] == 2 * GLOBAL  # the data position is global, not one process's share
 
-    one = tmp_path / "one"
-    recover(tiny_ckpt, one, RecoverConfig(mix=str(chat_text_mix), batch_size=4, grad_accum=1, **RUN), show_progress=False,
-            keep_checkpoints=True)
-    _assert_same_adapter(tiny_ckpt, two_process_run, one)
-    assert _losses(two_process_run) == pytest.approx(_losses(one), rel=1e-4)
+    _assert_same_adapter(tiny_ckpt, two_process_run, one_process_run)
+    assert _losses(two_process_run) == pytest.approx(_losses(one_process_run), rel=1e-4)
+
+
+def test_sharded_base_gives_the_adapter_of_one_process(sharded_run, one_process_run, tiny_ckpt):
+    """2 processes x batch 1 x grad_accum 2 with the base sharded: the 1-process adapter and losses, to float tolerance."""
+    training = _training(sharded_run)
+    assert training["shard_base"] is True and training["world_size"] == 2 and training["steps"] == STEPS
+    assert _training(one_process_run)["shard_base"] is False
+    _assert_same_adapter(tiny_ckpt, sharded_run, one_process_run)
+    assert _losses(sharded_run) == pytest.approx(_losses(one_process_run), rel=1e-4)
+
+
+def test_sharded_base_puts_half_the_packed_bytes_on_each_process(sharded_run, two_process_run, one_process_run):
+    """Measured inside the runs (local shards of the packed tensors): DDP holds the whole base on each process,
+    the sharded run half of it on each (FSDP splits every packed tensor along dim 0)."""
+    (whole,) = _training(one_process_run)["packed_bytes_per_process"]
+    assert whole > 1_000_000  # the tiny model's packed embedding and layers
+    assert _training(two_process_run)["packed_bytes_per_process"] == [whole, whole]
+    shards = _training(sharded_run)["packed_bytes_per_process"]
+    assert len(shards) == 2 and sum(shards) == whole and max(shards) <= 0.51 * whole
+
+
+def test_sharded_checkpoint_resumes_unsharded_on_one_process_and_back(sharded_run, one_process_run, tiny_ckpt,
+                                                                      chat_text_mix, tmp_path):
+    """A checkpoint holds the whole adapter and optimizer state however the run was split: the sharded 2-process
+    step-2 checkpoint finishes on 1 process (unsharded, batch 1 x grad_accum 4) as the sharded run did, and the
+    1-process step-2 checkpoint finishes on 2 sharded processes as the 1-process run did."""
+    cut = tmp_path / "cut"
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copy(sharded_run / "checkpoints" / "step-0000002.pt", cut / "checkpoints")
+    recover(tiny_ckpt, cut, RecoverConfig(mix=str(chat_text_mix), batch_size=1, grad_accum=4, **RUN), resume=True,
+            show_progress=False, keep_checkpoints=True)
+    _assert_same_adapter(tiny_ckpt, sharded_run, cut)
+    assert _losses(cut)[2:] == pytest.approx(_losses(sharded_run)[2:], rel=1e-4)
+
+    back = tmp_path / "back"
+    (back / "checkpoints").mkdir(parents=True)
+    shutil.copy(one_process_run / "checkpoints" / "step-0000002.pt", back / "checkpoints")
+    _torchrun_recover(tiny_ckpt, back, chat_text_mix, "--shard-base", "--resume")
+    assert _training(back)["shard_base"] is True
+    _assert_same_adapter(tiny_ckpt, one_process_run, back)
+    assert _losses(back)[2:] == pytest.approx(_losses(one_process_run)[2:], rel=1e-4)
+
+
+def test_shard_base_on_one_process_warns_and_trains_unsharded(tiny_ckpt, chat_text_mix, tmp_path):
+    cfg = RecoverConfig(**{**RUN, "tokens": SEQ * 2, "objective": "ce", "checkpoint_every": 0}, mix=str(chat_text_mix),
+                        init="zero", shard_base=True)
+    with pytest.warns(UserWarning, match="--shard-base on one process changes nothing"):
+        meta = recover(tiny_ckpt, tmp_path / "one", cfg, show_progress=False)
+    assert meta["training"]["shard_base"] is False and meta["training"]["steps"] == 2
+
+
+def test_packed_tensors_as_frozen_parameters_keep_names_dtypes_and_outputs(tiny_ckpt):
+    """What FSDP shards: the packed tensors as frozen parameters, the model otherwise the same (state-dict names,
+    stored dtypes through ``.to(dtype)``, logits), the dense cache off."""
+    from qrecover.qlinear import _Packed, local_packed_bytes, packed_as_parameters
+
+    model = load(tiny_ckpt)
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        before, names, nbytes = model(input_ids=ids).logits, list(model.state_dict()), local_packed_bytes(model)
+    packed_as_parameters(model)
+    packed = [m for m in model.modules() if isinstance(m, _Packed)]
+    assert all(not m.cache and m._dense is None for m in packed)
+    tensor_names = {n for m in packed for n in m._tensor_names}  # e.g. qdata, scale, zero_point, lut
+    frozen = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in tensor_names}
+    assert frozen and not any(p.requires_grad for p in frozen.values())
+    assert not any(n in frozen for n, _ in model.named_buffers())
+    assert list(model.state_dict()) == names and local_packed_bytes(model) == nbytes
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+    stored = {n: p.dtype for n, p in frozen.items()}
+    model.to(torch.float16)
+    assert {n: p.dtype for n, p in model.named_parameters() if n in frozen} == stored
+    assert all(isinstance(p, torch.nn.Parameter) for n, p in model.named_parameters() if n in frozen)
 
 
 def test_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_ckpt, chat_text_mix, tmp_path):
@@ -152,7 +247,7 @@ def test_fsdp_and_deepspeed_launches_are_refused_with_the_reason(kind, tmp_path,
     from qrecover.recovery.train import train
 
     monkeypatch.setenv(f"ACCELERATE_USE_{kind}", "true")
-    fix = "--no-cache-dequantized" if kind == "FSDP" else "torchrun"
+    fix = "torchrun .*--shard-base" if kind == "FSDP" else "torchrun"
     with pytest.raises(QRecoverError, match=rf"{kind}.*not supported.*{fix}"):
         train(torch.nn.Linear(8, 6), RecoverConfig(objective="ce"), loader=None, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()

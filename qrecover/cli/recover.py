@@ -26,6 +26,8 @@ EXAMPLES = """Examples:
 
   accelerate launch -m qrecover.cli recover CKPT --tokens 10000000       # data parallel on several GPUs
 
+  torchrun --nproc_per_node 8 -m qrecover.cli recover CKPT --shard-base --gradient-checkpointing   # base sharded
+
 The adapter directory is standard PEFT: PeftModel.from_pretrained(qrecover.load(CKPT), OUT).
 """
 
@@ -58,6 +60,11 @@ def recover(
                                                                       "with AVX512-BF16/AMX; else fp32), 'bf16' or 'fp32'."),
     no_cache: bool = typer.Option(False, "--no-cache-dequantized", help="Dequantize base weights on every forward instead of keeping them in "
                                                                         "memory."),
+    shard_base: bool = typer.Option(False, "--shard-base", help="On several processes (torchrun, or accelerate launch without "
+                                    "--use_fsdp): shard the frozen packed base across them (torch FSDP2, each decoder layer "
+                                    "gathered as it runs) instead of a whole copy per process. For a base that does not fit one "
+                                    "device beside training; add --gradient-checkpointing, else backward keeps every layer's "
+                                    "dequantized weight. Implies --no-cache-dequantized; nothing on one process."),
     no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the evaluation sets."),
     loss_chunk: int = typer.Option(D("loss_chunk"), "--loss-chunk", help="Positions per chunk of the loss (vocabulary-sized logits one chunk "
                                                                          "at a time); 0 = unchunked."),
@@ -95,7 +102,8 @@ def recover(
     configs = [RecoverConfig(rank=r, tokens=tokens, mix=None if mix is None else str(mix), objective=objective,
                              kd_weight=kd_weight, init=init, lr=lr, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                              targets=targets, rank_allocation=rank_allocation, checkpoint_every=checkpoint_every,
-                             gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, precision=precision,
+                             gradient_checkpointing=gradient_checkpointing, cache_dequantized=not no_cache, shard_base=shard_base,
+                             precision=precision,
                              decontaminate=not no_decontaminate, seed=seed, loss_chunk=loss_chunk,
                              teacher_device=teacher_device, head_rank=head_rank, schedule=schedule,
                              decay_fraction=decay_fraction, adapter_bits=adapter_bits) for r in rank_list]

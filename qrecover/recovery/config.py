@@ -53,6 +53,10 @@ class RecoverConfig(DictConfig):
     precision: str = doc_field("auto", "'bf16' autocast (fp32 adapter weights and loss), 'fp32', or 'auto' = bf16 where the "
                                "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
+    shard_base: bool = doc_field(False, "on several processes (torchrun, or accelerate launch without --use_fsdp): shard the "
+                                 "frozen packed base across them with torch's FSDP2 (each decoder layer gathered as it runs) "
+                                 "instead of a whole copy per process; the adapter and its optimizer state stay whole on every "
+                                 "process, as under DDP. Turns off cache_dequantized. No effect on one process")
     decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
     loss_chunk: int = doc_field(1024, "predicted positions per chunk of the loss: the student's and teacher's vocabulary-sized logits "
                                 "exist one chunk at a time (recomputed in backward); 0 = the whole micro-batch at once "

@@ -4,6 +4,14 @@ Scaling is accelerate's: ``qrecover recover ...`` runs on one process; ``acceler
 recover ...`` (or ``torchrun``) runs data parallel, each process taking every ``world``-th sequence of the same
 deterministic data stream. Only the LoRA weights train; the packed base weights are buffers and never change.
 
+**Sharded base** (``cfg.shard_base`` on several processes): the packed tensors become frozen parameters and torch's
+FSDP2 (``fully_shard``) shards them, each decoder layer one group gathered as it runs and the rest of the model
+(embedding, final norm, head) the root group, so a process holds ``1/world`` of the base at rest (tested: 2 CPU
+processes hold half the tiny model's packed bytes each). The adapter is left out of FSDP (``ignored_params``): it
+stays whole on every process, as under DDP, its gradients averaged by one all-reduce per optimizer step
+(:func:`_average_adapter_grads`), so checkpoints and the exported adapter are the unsharded run's, and a sharded
+run resumes unsharded and the reverse (tested). accelerate's own FSDP plugin (``--use_fsdp``) stays refused.
+
 **Global batch.** An optimizer step takes ``batch_size * grad_accum * world`` sequences (the global batch) and
 its loss is the mean over every loss-carrying token of them (each micro-batch's mean weighted by its share of
 the step's tokens, counted across processes), so the same global batch gives the same adapter whatever the
@@ -37,6 +45,7 @@ import pickle
 import random
 import resource
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +58,7 @@ from rich.progress import TextColumn
 from ..errors import QRecoverError
 from ..io_utils import atomic_file
 from ..progress import progress
-from ..qlinear import QuantLinear
+from ..qlinear import QuantLinear, local_packed_bytes, packed_as_parameters
 from . import objective
 from .config import RecoverConfig
 from .schedule import lr_scheduler
@@ -100,21 +109,21 @@ def process_state() -> Any:
 
 
 def check_distributed(kind: Any) -> None:
-    """Refuse a launch mode the loop does not support: only one process or data parallel (DDP, on GPUs or CPUs).
+    """Refuse a launch mode the loop does not support: only one process or data parallel (DDP, on GPUs or CPUs),
+    the base optionally sharded by the loop itself (``--shard-base``, :func:`shard_base`).
 
-    ``kind``: accelerate's ``DistributedType`` (or its value). FSDP is refused: it shards parameters only, and here
-    the parameters are the adapter (small) while the frozen base is buffers, which FSDP replicates on every
-    process; what it would shard (the adapter and its optimizer state) is what checkpoints and the exported
-    adapter read whole on the main process, which would then save its shard. DeepSpeed and Megatron-LM likewise
+    ``kind``: accelerate's ``DistributedType`` (or its value). accelerate's FSDP plugin is refused: it would shard
+    the parameters it finds, the small adapter (the frozen base is buffers), which checkpoints and the exported
+    adapter read whole on the main process; on CPU it does not start at all. DeepSpeed and Megatron-LM likewise
     wrap the optimizer and parameters in ways this loop does not handle."""
     name = str(getattr(kind, "value", kind)).upper()
     if name == "FSDP":
         raise QRecoverError(
-            "FSDP (accelerate launch --use_fsdp, or an accelerate config with distributed_type FSDP) is not supported: "
-            "the quantized base is held in buffers, which FSDP does not shard, so every process would still hold the "
-            "whole packed base, and only the small adapter would be split. Launch data parallel instead (accelerate "
-            "launch without --use_fsdp, or torchrun); if the dequantized weights do not fit one device, add "
-            "--no-cache-dequantized (only the packed weights stay on the device, each layer dequantized as it runs)")
+            "FSDP through accelerate (accelerate launch --use_fsdp, or an accelerate config with distributed_type FSDP) "
+            "is not supported: its plugin would shard the small adapter, not the quantized base (held in buffers). "
+            "To shard the base, launch with torchrun (or accelerate launch without --use_fsdp) and pass --shard-base "
+            "(with --gradient-checkpointing): torch's FSDP2 then shards the packed base weights across the processes, "
+            "each decoder layer gathered as it runs")
     if name in ("DEEPSPEED", "MEGATRON_LM"):
         raise QRecoverError(f"accelerate's {name} mode is not supported by the recovery loop; launch data parallel "
                             "(accelerate launch without --use_deepspeed/--use_megatron_lm, or torchrun)")
@@ -207,7 +216,7 @@ def _progress(show: bool):
 # Settings that only say how a step is executed (not what it computes): a resumed run may change them, the split of the
 # global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
 EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "gradient_checkpointing", "cache_dequantized", "loss_chunk",
-                    "teacher_device")
+                    "teacher_device", "shard_base")
 
 
 def checkpoint_world(state: dict[str, Any]) -> int:
@@ -250,6 +259,66 @@ def _loss_weights(micro: list[tuple[torch.Tensor, torch.Tensor]], accelerator: A
     return [n * accelerator.num_processes / total for n in counts]
 
 
+def shard_base(model: nn.Module, device: torch.device, world: int) -> None:
+    """Shard the frozen packed base of ``model`` (PEFT-wrapped) across the ``world`` processes with FSDP2, in place.
+
+    The packed tensors become frozen parameters (FSDP shards parameters, not buffers); each decoder layer is one
+    FSDP group (all-gathered before it runs, freed after, again in backward), the rest of the transformers model
+    (embedding, final norm, head: the tied head reads the embedding's packed tensors) the root group, gathered for
+    each micro-batch. FSDP is applied to the transformers model inside PEFT, so the loss code that calls it directly
+    (the chunked head check, :func:`objective.output_head`) still goes through its hooks. The adapter is ignored
+    by FSDP: whole on every process (moved to ``device`` here), plain tensors, its gradients averaged by
+    :func:`_average_adapter_grads`; FSDP itself reduces no gradient (the base has none). The parameters FSDP
+    shards become DTensors.
+    """
+    import inspect
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from ..models import decoder_layers
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        fully_shard = None
+    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise QRecoverError(f"--shard-base needs torch's FSDP2 with ignored_params (torch 2.7 or later); this is torch "
+                            f"{torch.__version__}: upgrade torch, or train without --shard-base (data parallel)")
+    adapter = set(_trainable(model).values())
+    packed_as_parameters(model)
+    base = objective._unwrap(model)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in decoder_layers(base):
+        fully_shard(layer, mesh=mesh, ignored_params=adapter)
+    fully_shard(base, mesh=mesh, ignored_params=adapter)
+    for t in itertools.chain(model.parameters(), model.buffers()):  # what FSDP did not move: the adapter
+        if not isinstance(t, DTensor) and t.device != device:
+            t.data = t.data.to(device)
+
+
+def _average_adapter_grads(params: list[torch.Tensor], world: int) -> None:
+    """With the base sharded, FSDP leaves the adapter's gradients alone: average them over the processes here, as
+    DDP would (so :func:`_loss_weights` holds unchanged), in one all-reduce per dtype, once per optimizer step. A
+    parameter without a gradient gets zeros on every process, so all send the same layout."""
+    import torch.distributed as dist
+
+    for dtype in dict.fromkeys(p.dtype for p in params):  # insertion order: the same on every process
+        group = [p for p in params if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        dist.all_reduce(flat)
+        flat /= world
+        for p, g in zip(group, flat.split([p.numel() for p in group])):
+            p.grad = g.view_as(p)
+
+
+def _packed_bytes_per_process(model: nn.Module, accelerator: Any) -> list[int]:
+    """The packed base bytes each process holds (its shards when the base is sharded), gathered: the record that
+    sharding split the base (with DDP every process holds all of it)."""
+    mine = torch.tensor([local_packed_bytes(model)], dtype=torch.int64, device=accelerator.device)
+    return [int(b) for b in (accelerator.gather(mine) if accelerator.num_processes > 1 else mine).tolist()]
+
+
 def _set_grad_sync(model: nn.Module, sync: bool) -> None:
     """DDP: all-reduce gradients in this micro-batch's backward or not (what ``no_sync()`` sets, as a flag, so the
     accumulation loop needs no context manager around its forward). Other wrappers sync every micro-batch."""
@@ -282,6 +351,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     ``callback(info)``: called on the main process once before the first step of a fresh run (``step`` 0, ``loss``
     NaN: the model as initialised) and after every optimizer step (and checkpoint), with
     ``info = {"step", "tokens", "loss", "model"}``: the benchmark measures held-out perplexity there.
+    ``cfg.shard_base`` on several processes shards ``model``'s base in place (:func:`shard_base`): afterwards its
+    adapter is whole on every process (what saving reads) but a forward needs every process; a callback is refused.
     """
     from accelerate import Accelerator
     if cfg.objective != "ce" and teacher is None:
@@ -302,6 +373,13 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     rank, world = accelerator.process_index, accelerator.num_processes
     steps = total_steps(cfg, world)
+    sharded = cfg.shard_base and world > 1
+    if cfg.shard_base and world == 1:
+        warnings.warn("qrecover: --shard-base on one process changes nothing (there is nothing to shard across); "
+                      "launch several with torchrun to shard the base", stacklevel=2)
+    if sharded and callback is not None:
+        raise QRecoverError("a training callback runs on the main process alone, and with --shard-base a forward of the "
+                            "model needs every process; train without the callback, or without --shard-base")
 
     # --- the model: base frozen (its packed weights are buffers), adapter weights trainable ---------------
     for m in model.modules():
@@ -309,13 +387,19 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             m.cache = cfg.cache_dequantized
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = list(_trainable(model).values())
-    if not params:
+    if not _trainable(model):
         raise QRecoverError("the model has no trainable parameters; attach an adapter first")
+    if sharded:  # before the optimizer: it holds the adapter parameters FSDP leaves in place (moved to the device)
+        shard_base(model, accelerator.device, world)
+    params = list(_trainable(model).values())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
     scheduler = lr_scheduler(optimizer, cfg, steps)  # warm-up + cosine, or WSD (cfg.schedule; schedule.py)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharded:  # FSDP is the model's parallelism: accelerate must not wrap it in DDP as well
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    packed_bytes = _packed_bytes_per_process(model, accelerator)
     if teacher is not None:
         objective.place_teacher(teacher, accelerator.device, precision, cfg.teacher_device)
         teacher.eval().requires_grad_(False)
@@ -378,6 +462,8 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
                 # each backward() sums gradients: weighted, the step's gradient is the global batch's token mean
                 accelerator.backward(loss * weights[i])
                 step_loss += loss.item() * weights[i]
+            if sharded:
+                _average_adapter_grads(params, world)
             if cfg.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
@@ -408,5 +494,5 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             "tok_per_s": (tokens - tokens0) / train_seconds if train_seconds > 0 else None,
             "seconds": train_seconds, "data_setup_seconds": setup_seconds,
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
-            "mixed_precision": precision,
+            "mixed_precision": precision, "shard_base": sharded, "packed_bytes_per_process": packed_bytes,
             "model": accelerator.unwrap_model(model), "is_main_process": accelerator.is_main_process}
