@@ -466,6 +466,17 @@ def test_bad_finetune_input_is_refused_before_any_model_loads(adapter_dir, tiny_
     assert not (tmp_path / "f").exists()
 
 
+def test_finetune_on_a_non_main_process_exits_quietly(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """Under torchrun every process runs the command; the training API returns {} on all but the main one, which
+    alone reports (as ``recover`` does): the others exit 0 without reading the empty summary."""
+    import qrecover.recovery.api as rapi
+
+    monkeypatch.setattr(rapi, "finetune", lambda *a, **k: {})
+    code, out, err = cli(["finetune", tiny_ckpt, "--init-adapter", tmp_path, "--data", tmp_path / "d.jsonl",
+                          "--out", tmp_path / "f"], capsys)
+    assert code == 0 and out == "", err
+
+
 # --- an unreadable adapter directory is refused before any model loads (issue 10, item 8) ---------------------
 
 

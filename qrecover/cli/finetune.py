@@ -50,6 +50,8 @@ def finetune(
                         precision=precision)
     meta = run(checkpoint, init_adapter, data, out, cfg, overwrite=overwrite, resume=resume,
                show_progress=not json_out, allow_foreign_adapter=allow_foreign_adapter)
+    if not meta:  # a non-main process of a distributed run (torchrun): the main process reports
+        return
     summary = {"out": str(out), "rank": meta["rank"], "bytes": meta["bytes"]["tensors"], "bpw_cost": meta["bpw_cost"],
                "tokens": meta["training"]["tokens"], "final_loss": meta["training"]["final_loss"]}
     if json_out:
