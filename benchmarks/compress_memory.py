@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from qrecover.measure import peak_rss_command, read_peak_rss  # noqa: E402
 from qrecover.models import default_model_dir  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
@@ -45,24 +46,6 @@ BIG = dict(hidden_size=1536, num_attention_heads=24, num_key_value_heads=8, head
            num_hidden_layers=30)
 ARGS = ["--uniform", "--encodings", "blockwise:4/b64", "--embedding-encodings", "blockwise:4/b64",
         "--calib-samples", "2", "--seq-len", "256", "--device", "cpu", "--json", "--overwrite"]
-# The child: ``python -c CHILD REPORT LAZY ARGS...``; it writes its own VmHWM (kB) to REPORT at exit. Not
-# os.wait4's ru_maxrss: Linux keeps that across fork + execve, so a child reports at least the parent's peak.
-CHILD = """
-import atexit, functools, sys
-report, lazy = sys.argv[1], sys.argv[2] == "1"
-def _hwm():
-    with open("/proc/self/status") as f:
-        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
-    with open(report, "w") as out:
-        out.write(kb)
-atexit.register(_hwm)
-import qrecover.api as a
-if not lazy:
-    a.compress = functools.partial(a.compress, lazy=False)
-from qrecover.cli import main
-sys.argv = ["qrecover"] + sys.argv[3:]
-main()
-"""
 
 
 def build_big(dst: Path) -> int:
@@ -106,8 +89,7 @@ def run(model: Path, lazy: bool, out: Path) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as err:
         report = Path(tmp) / "vmhwm"
-        cmd = [sys.executable, "-c", CHILD, str(report), "1" if lazy else "0",
-               "compress", "--model", str(model), "--out", str(out)] + ARGS
+        cmd = peak_rss_command(report, ["compress", "--model", str(model), "--out", str(out)] + ARGS, lazy)
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
         stdout = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the CPU seconds (user + system)
@@ -117,7 +99,7 @@ def run(model: Path, lazy: bool, out: Path) -> dict:
         if rc != 0:
             err.seek(0)
             sys.stderr.write(err.read().decode()[-3000:])
-        peak = int(report.read_text()) * 1024 if report.exists() else None
+        peak = read_peak_rss(report)
     summary = json.loads(stdout) if rc == 0 else None
     return {"peak_rss_gb": None if peak is None else round(peak / 1e9, 2), "wall_s": round(wall, 1),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "rc": rc,

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from qrecover.api import compress, prepare
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
+from qrecover.measure import peak_rss_command, read_peak_rss
 from qrecover.models import decoder_layers, default_model_dir, lazy_weights, load_model, resident
 
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -212,31 +212,15 @@ def _write_random_model(d: Path, cfg: dict) -> int:
     return 4 * sum(p.numel() for p in meta.parameters())
 
 
-# The child's own high-water mark (VmHWM belongs to its address space, which execve replaces). Not os.wait4's
-# ru_maxrss: Linux keeps that across fork + execve, so a child of a large pytest process reports the parent's size.
-_HWM = """
-import atexit, sys
-report = sys.argv[1]
-def _hwm():
-    with open("/proc/self/status") as f:
-        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
-    with open(report, "w") as out:
-        out.write(kb)
-atexit.register(_hwm)
-sys.argv = ["qrecover"] + sys.argv[2:]
-from qrecover.cli import main
-main()
-"""
 
 
 def _peak_rss(cli_args: list[str], tmp_path) -> int:
     """Peak resident set size in bytes of a ``qrecover`` CLI child process (its VmHWM at exit)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     report = tmp_path / "vmhwm.txt"
-    proc = subprocess.run([sys.executable, "-c", _HWM, str(report), *cli_args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT)
+    proc = subprocess.run(peak_rss_command(report, cli_args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout.decode()[-3000:]
-    return int(report.read_text()) * 1024
+    return read_peak_rss(report)
 
 
 @pytest.mark.slow
