@@ -131,8 +131,15 @@ NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores a qrecover row took 4-22 m
                    "AWQ 28 min")
 
 
+# The embedding candidates of ``--embedding-bits auto`` (rows with "embedding": "auto" hash it: a cached row made with
+# another menu is not reused). v2: GPTQ candidates against the tied head's Hessian added (qrecover.stages.specs).
+EMBEDDING_MENU = "v2: blockwise 4/b128 4/b64 4/b32 8 3/b32 2/b32, palettize 4/g1 3/g1, gptq 4/g32 3/g32"
+
+
 def row_key(name: str, calib_samples: int) -> str:
-    blob = json.dumps({"row": ROWS[name], "calib_samples": calib_samples}, sort_keys=True)
+    row = ROWS[name]
+    extra = {"embedding_menu": EMBEDDING_MENU} if row.get("embedding") == "auto" else {}
+    blob = json.dumps({"row": row, "calib_samples": calib_samples, **extra}, sort_keys=True)
     return f"{name}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
 
 

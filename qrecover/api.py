@@ -24,10 +24,10 @@ from .moe import unfuse_experts
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
-from .sensitivity import METHOD, linear_damage, lookup_damage
+from .sensitivity import METHOD, linear_damage
 from .stages.allocation import Budget, Infeasible, choose
 from .stages.calibrate import gradients, layer_pass, plan_stats
-from .stages.candidates import quantize_unit
+from .stages.candidates import embedding_stats, quantize_unit
 from .stages.finalize import finalize
 from .stages.specs import Encoding, embedding_encodings, linear_encodings
 from .stages.transform import apply_transforms, transforms_of
@@ -170,24 +170,11 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
         layer_pass(model, windows, plan.layer, on_layer, device, show_progress)
     with progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
-        emb_stats, fn = {}, None
-        if grads is not None:
-            hd = {k: v.to(device) for k, v in grads["head"].items()}
-            h_diag = hd["hessian"].diagonal()
-            # Lookup damage with every token row weighted alike: calibration sees a few thousand of the
-            # vocabulary's tokens, too few to estimate per-token frequencies (see sensitivity.lookup_damage).
-            fisher = (grads["emb_fisher"].to(device).sum(0) / emb.weight.shape[0]).expand(emb.weight.shape)
-            if tied:  # the matrix serves both the lookup and the logits: importance and damage of both
-                imp = fisher + hd["out_grad_sq"].unsqueeze(1) * h_diag.unsqueeze(0)
-                fn = lambda dw: lookup_damage(dw, fisher) + linear_damage(dw, hd["hessian"], hd["out_grad_sq"])  # noqa: E731
-            else:
-                imp, fn = fisher, (lambda dw: lookup_damage(dw, fisher))  # noqa: E731
-            emb_stats = {"element_sq": imp}
+        (emb_stats, fn), (head_stats, hfn) = embedding_stats(grads, tuple(emb.weight.shape), tied, device)
         units[emb_name]["results"] = quantize_unit(emb.weight.detach().to(device), emb_encs, emb_stats, fn if plan.damage else None)
         if untied_head:
-            head_stats = {"input_sq": h_diag, "hessian": hd["hessian"]} if grads is not None else {}
-            hfn = (lambda dw: linear_damage(dw, hd["hessian"], hd["out_grad_sq"])) if plan.damage else None  # noqa: E731
-            units[head_name]["results"] = quantize_unit(head.weight.detach().to(device), emb_encs, head_stats, hfn)
+            units[head_name]["results"] = quantize_unit(head.weight.detach().to(device), emb_encs, head_stats,
+                                                        hfn if plan.damage else None)
         bar.advance(task)
     quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
     remainder = state_tensors(model, [k for k in model.state_dict() if k not in quantized])  # after the transform

@@ -155,10 +155,14 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
         assert layers[n]["damage"] == d[layers[n]["label"]]
     emb_table = table["model.embed_tokens"]
     fits = {c.label for c in embedding_encodings("auto", None, True) if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
-    assert set(emb_table) == fits >= {"blockwise:4/b64", "blockwise:4/b32", "blockwise:8", "blockwise:2/b32/asym", "palettize:3/g1"}
-    assert "blockwise:4/b128" not in emb_table
-    assert all(emb_table[k] > emb_table["blockwise:8"] for k in emb_table if k != "blockwise:8")  # 2-4 < 8 bits
-    assert emb_table["blockwise:2/b32/asym"] > emb_table["blockwise:3/b32/asym"] > emb_table["blockwise:4/b32"]
+    assert set(emb_table) == fits >= {"blockwise:4/b64/asym", "blockwise:4/b32/asym", "blockwise:8/pc", "blockwise:2/b32/asym",
+                                      "palettize:3/g1/error_feedback=false", "gptq:4/g32"}
+    assert "blockwise:4/b128/asym" not in emb_table
+    assert all(emb_table[k] > emb_table["blockwise:8/pc"] for k in emb_table if k != "blockwise:8/pc")  # 2-4 < 8 bits
+    assert emb_table["blockwise:2/b32/asym"] > emb_table["blockwise:3/b32/asym"] > emb_table["blockwise:4/b32/asym"]
+    # the same integer grid as blockwise:4/b32/asym, codes chosen by GPTQ against the tied head's Hessian
+    assert emb_table["gptq:4/g32"] < 0.8 * emb_table["blockwise:4/b32/asym"]
+    assert emb_table["gptq:3/g32"] < emb_table["blockwise:3/b32/asym"]
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(sum(v["damage"] for v in layers.values()))
     assert set(m["remainder"]) == {k for k, _ in model.named_parameters() if "norm" in k}
 
@@ -167,7 +171,7 @@ def test_measured_bpw_within_budget(manifest):
     assert manifest["measured_bpw"]["model"] <= manifest["budget"]["bpw"]
     # 5.0 bpw covers every linear layer's best width but not the 8-bit embedding (~8.1 bpw alone)
     emb = manifest["layers"]["model.embed_tokens"]
-    assert emb["bits"] < 8 and emb["label"] != "blockwise:8"
+    assert emb["bits"] < 8 and emb["label"] != "blockwise:8/pc"
 
 
 def test_byte_accounting(tiny_ckpt, manifest):
@@ -298,7 +302,7 @@ def test_uniform_model_single_width(tiny_model_dir, tmp_path):
     m = compress(cfg(tiny_model_dir, bpw=None, bits=[4]), out=tmp_path / "u4", show_progress=False)
     lin = [v for v in m["layers"].values() if v["kind"] == "linear"]
     assert len(lin) == N_LINEAR and all(v["bits"] == 4 and v["label"] == "palettize:4" for v in lin)
-    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8"  # no budget: AFM's int8 embedding
+    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8/pc"  # no budget: AFM's int8 embedding
     assert m["budget"]["bpw"] is None
     assert m["measured_bpw"]["linear"] == 8 * sum(v["nbytes"] for v in lin) / m["parameters"]["linear"]
     assert 4.0 < m["measured_bpw"]["linear"] < 4.3
@@ -311,7 +315,7 @@ def test_scope_linear_budget(tiny_model_dir, tiny_prepared, tmp_path):
     bits = [v["bits"] for v in m["layers"].values() if v["kind"] == "linear"]
     assert min(bits) < 4 and max(bits) > 2  # a real mix
     assert m["measured_bpw"]["linear"] > 2.5  # the budget is used, not thrown away
-    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8"  # outside the scope: the 8-bit default
+    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8/pc"  # outside the scope: the 8-bit default
     assert m["budget"]["scope"] == "linear"
     # position baseline on the same budget: fits too, and the knapsack predicts no more damage
     p = compress(cfg(tiny_model_dir, bpw=3.0, scope="linear", allocation="position"), out=None,
@@ -329,7 +333,7 @@ def test_model_scope_budget_between_extremes(tiny_model_dir, tiny_prepared, tmp_
     n_params = tiny_prepared.params["model"]
     rem = sum(v.numel() * 2 for v in tiny_prepared.remainder.values())
     lo = sum(min(s.values()) for s in sizes.values()) + rem
-    all4 = sizes["model.embed_tokens"]["blockwise:4/b64"] + rem + sum(
+    all4 = sizes["model.embed_tokens"]["blockwise:4/b64/asym"] + rem + sum(
         s["palettize:4"] for n, s in sizes.items() if n != "model.embed_tokens")
     bpw = round(8 * (lo + 0.3 * (all4 - lo)) / n_params, 4)  # 30% of the way from all-2-bit to all-4-bit linears
     m = compress(cfg(tiny_model_dir, bpw=bpw, allocation=allocation, embedding_bits="legacy"), out=tmp_path / allocation,
@@ -486,7 +490,7 @@ def test_hidden_size_not_a_multiple_of_64(tiny_model_dir, tmp_path):
     model = LlamaForCausalLM(LlamaConfig(**dict(TINY_CONFIG, hidden_size=96, intermediate_size=192, num_hidden_layers=1)))
     _save_with_tokenizer(model, d, tiny_model_dir)
     m = compress(cfg(d, bpw=None, bits=[4], calib_samples=1, seq_len=16), out=tmp_path / "u4", show_progress=False)
-    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8"
+    assert m["layers"]["model.embed_tokens"]["label"] == "blockwise:8/pc"
     assert all(v["bits"] == 4 for v in m["layers"].values() if v["kind"] == "linear")
 
 

@@ -153,6 +153,34 @@ def test_eight_bit_round_trip(name, tok_dir, tmp_path):
     assert float((got.logits.argmax(-1) == want.logits.argmax(-1)).float().mean()) >= 0.5, name
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_gptq_embedding_round_trip(name, tok_dir, tmp_path):
+    """GPTQ as the embedding's encoding: against the tied head's Hessian (llama), or, untied (qwen2), the embedding
+    against its lookup statistics and the output matrix as a linear layer; both load to the exact dequantized model.
+    (Its error against round-to-nearest: tests/test_compress_stages.py and benchmarks/embedding.py.)"""
+    src, out = tmp_path / name, tmp_path / f"{name}-gptq"
+    orig = _build(name, src, tok_dir)
+    tied = ARCHS[name][1]["tie_word_embeddings"]
+    compress(CompressConfig(model=str(src), bpw=None, bits=[8], embedding_encodings="gptq:4/g32", calib_samples=2,
+                            seq_len=64), out=out, show_progress=False)
+    q = load(out)
+    layers = q.qrecover_manifest["layers"]
+    assert [layers[n]["label"] for n in layers if layers[n]["kind"] != "linear"] == ["gptq:4/g32"] * (1 if tied else 2)
+    ref = AutoModelForCausalLM.from_config(orig.config, dtype=torch.float32).eval()
+    state = {k: v.half().float() for k, v in orig.state_dict().items()}
+    for n, m in q.named_modules():
+        if isinstance(m, _Packed):
+            state[f"{n}.weight"] = m.dequantize()
+    if tied:
+        state[f"{_name_of(orig, orig.get_output_embeddings())}.weight"] = q.get_input_embeddings().dequantize()
+    ref.load_state_dict(state)
+    ids = AutoTokenizer.from_pretrained(out)(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got, exact, want = q(ids).logits, ref(ids).logits, orig(ids).logits
+    assert _rel(got, exact) < 1e-5
+    assert _rel(got, want) < 0.25
+
+
 def _name_of(model, module):
     return next(n for n, m in model.named_modules() if m is module)
 

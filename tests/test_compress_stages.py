@@ -31,10 +31,12 @@ from qrecover.stages.allocation import Budget, Infeasible, choose
 from qrecover.stages.calibrate import layer_pass, plan_stats
 from qrecover.stages.finalize import finalize
 from qrecover.stages.specs import (
+    EXTRA_EMBEDDING,
     LEGACY_EMBEDDING,
     embedding_encodings,
     format_encoding,
     linear_encodings,
+    make_encoding,
     parse_encoding,
     parse_encodings,
     parse_params,
@@ -372,6 +374,38 @@ def test_finalize_sees_quantized_inputs(tiny_model_dir):
     assert not torch.allclose(calls["model.layers.1.self_attn.q_proj"]["hessian"], (x.T @ x / x.shape[0]).float(), rtol=1e-3)
 
 
+def test_every_builtin_embedding_label_parses_back_to_its_encoding():
+    """A manifest's label, passed to --embedding-encodings, must give the encoding that was used."""
+    for e in LEGACY_EMBEDDING + EXTRA_EMBEDDING:
+        assert parse_encoding(e.label) == e, e.label
+
+
+def test_embedding_statistics_give_gptq_the_tied_heads_hessian():
+    """A tied embedding is also the output head: GPTQ with :func:`embedding_stats`' Hessian (the final hidden state's
+    second moments, plus the lookup term) cuts the predicted damage well below rounding to nearest on the same grid
+    when those hidden states are correlated (as a trained model's are); an untied embedding's Hessian is diagonal
+    (lookup only), and an untied head's is the hidden state's, as for any linear layer."""
+    from qrecover.stages.candidates import embedding_stats, quantize_unit
+
+    torch.manual_seed(0)
+    vocab, dim = 512, 64
+    mix = torch.randn(dim, dim) / dim**0.5
+    mix[:, :4] *= 8  # a few dominant directions, as the final hidden states of trained models have
+    hidden = torch.randn(4096, dim) @ mix.T
+    grads = {"head": {"hessian": hidden.T @ hidden / len(hidden), "out_grad_sq": torch.rand(vocab) * 1e-4},
+             "emb_fisher": torch.rand(vocab, dim) * 1e-6}
+    w = torch.randn(vocab, dim) * 0.05
+    (stats, damage), (head_stats, _) = embedding_stats(grads, (vocab, dim), tied=True, device="cpu")
+    gptq = make_encoding("gptq", 4, {"group_size": 32, "symmetric": False})
+    rtn = make_encoding("blockwise", 4, {"block_size": 32, "symmetric": False})
+    (_, d_gptq), (_, d_rtn) = quantize_unit(w, [gptq, rtn], stats, damage)
+    assert d_gptq < 0.7 * d_rtn, (d_gptq, d_rtn)
+    (untied, _), _ = embedding_stats(grads, (vocab, dim), tied=False, device="cpu")
+    assert torch.count_nonzero(untied["hessian"] - torch.diag(untied["hessian"].diagonal())) == 0
+    assert torch.equal(head_stats["hessian"], grads["head"]["hessian"])
+    assert embedding_stats(None, (vocab, dim), tied=True, device="cpu") == (({}, None), ({}, None))
+
+
 # --- the pipeline on the tiny model ----------------------------------------------------------------------------
 
 #: choices of the code before the redesign (commit edf19ed, `api.compress` with tiny_prepared's settings)
@@ -381,7 +415,7 @@ OLD_CHOICES_4_6 = {
         "self_attn.o_proj": "palettize:4", "mlp.down_proj": "palettize:4"}.items()},
     "model.layers.0.mlp.gate_proj": "palettize:4", "model.layers.0.mlp.up_proj": "palettize:3",
     "model.layers.1.mlp.gate_proj": "palettize:3", "model.layers.1.mlp.up_proj": "palettize:3",
-    "model.embed_tokens": "blockwise:4/b32",
+    "model.embed_tokens": "blockwise:4/b32/asym",  # labelled "blockwise:4/b32" then (the same encoding)
 }
 OLD_DAMAGE_4_6 = 0.00020060519669903653
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..schemes import QuantizedWeight
+from ..sensitivity import linear_damage, lookup_damage
 from .specs import Encoding
 
 DamageFn = Callable[[torch.Tensor], float]
@@ -55,3 +56,31 @@ def quantize_unit(weight: torch.Tensor, encodings: Sequence[Encoding], stats: di
         damage = None if damage_fn is None else max(damage_fn(w - qw.dequantize().to(w.device)), 0.0)
         out.append((to_cpu(qw), damage))
     return out
+
+
+def embedding_stats(grads: dict | None, shape: tuple[int, int], tied: bool, device: torch.device | str
+                    ) -> tuple[tuple[dict[str, torch.Tensor], DamageFn | None], tuple[dict[str, torch.Tensor], DamageFn | None]]:
+    """``((stats, damage fn) of the embedding, (stats, damage fn) of an untied output matrix)`` from the gradient
+    pass's statistics (:func:`qrecover.calibrate.gradient_stats`; None: no statistics, no damage).
+
+    The embedding's ``element_sq`` (per-weight importance, for weighted look-up tables) and ``hessian`` (for GPTQ):
+    an embedding row's lookup damage is ``dE diag(F) dE^T`` with ``F`` the per-dimension Fisher, every row alike
+    (calibration sees a few thousand of the vocabulary's tokens, too few to estimate per-token frequencies: see
+    :func:`qrecover.sensitivity.lookup_damage`). A tied matrix also serves the logits, row ``v`` adding
+    ``g_v dE H dE^T`` (``H`` the final hidden state's second moments, ``g_v`` its logit's gradient moment): GPTQ's
+    one Hessian for every row takes ``g_v`` at its mean, ``mean(g) H + diag(F)``; an untied embedding's is
+    ``diag(F)`` (no input correlations: GPTQ then rounds to nearest). An untied output matrix is a linear layer.
+    """
+    if grads is None:
+        return ({}, None), ({}, None)
+    hd = {k: v.to(device) for k, v in grads["head"].items()}
+    h, g = hd["hessian"], hd["out_grad_sq"]
+    fisher_dim = grads["emb_fisher"].to(device).sum(0) / shape[0]  # (hidden,)
+    fisher = fisher_dim.expand(shape)
+    if tied:
+        imp = fisher + g.unsqueeze(1) * h.diagonal().unsqueeze(0)
+        emb = ({"element_sq": imp, "hessian": g.mean() * h + torch.diag(fisher_dim)},
+               lambda dw: lookup_damage(dw, fisher) + linear_damage(dw, h, g))
+    else:
+        emb = ({"element_sq": fisher, "hessian": torch.diag(fisher_dim)}, lambda dw: lookup_damage(dw, fisher))
+    return emb, ({"input_sq": h.diagonal(), "hessian": h}, lambda dw: linear_damage(dw, h, g))
