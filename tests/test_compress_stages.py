@@ -33,6 +33,7 @@ from qrecover.stages.finalize import finalize
 from qrecover.stages.specs import (
     EXTRA_EMBEDDING,
     LEGACY_EMBEDDING,
+    PRESETS,
     embedding_encodings,
     format_encoding,
     linear_encodings,
@@ -372,6 +373,15 @@ def test_finalize_sees_quantized_inputs(tiny_model_dir):
     h.remove()
     x = torch.cat(xs).double()
     assert not torch.allclose(calls["model.layers.1.self_attn.q_proj"]["hessian"], (x.T @ x / x.shape[0]).float(), rtol=1e-3)
+
+
+def test_presets_expand_to_their_menus_and_mix_with_specs():
+    assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
+    assert parse_encodings("quality") == parse_encodings(PRESETS["quality"])
+    assert parse_encodings("quality")[0].transforms == ("awq",)
+    assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
+    with pytest.raises(QRecoverError, match="preset name"):
+        parse_encodings("qualty")
 
 
 def test_every_builtin_embedding_label_parses_back_to_its_encoding():

@@ -37,7 +37,18 @@ from ..schemes import get_quantizer, quantizer_names
 from ..schemes.base import _REGISTRY
 from ..transforms import transform_names
 
-GRAMMAR = "[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym"
+GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym, "
+           "or a preset name (afm, mixed, quality)")
+
+#: Named menus for the decoder linear layers (``--encodings quality``), each measured on the default model at
+#: ``--bpw 3.7`` (``benchmarks/schemes.py``, reports/schemes.md): ``afm`` is the default (AFM's palettization);
+#: ``mixed`` adds GPTQ integer layers (every architecture); ``quality`` also AWQ-scaled 3-bit GPTQ layers (only
+#: architectures with an AWQ mapping: Llama/Qwen/Gemma/Phi-3 families), the lowest perplexity measured.
+PRESETS = {
+    "afm": "palettize:2,palettize:3,palettize:4",
+    "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
+    "quality": "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64",
+}
 
 _SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
 _SPEC_RE = re.compile(r"^(?:(?P<tf>[A-Za-z_][\w-]*(?:\+[A-Za-z_][\w-]*)*)\+)?(?P<scheme>[A-Za-z_][\w-]*):(?P<bits>[^/]*)(?P<opts>(?:/[^/]*)*)$")
@@ -142,9 +153,9 @@ def parse_params(items: list[str], what: str = "--scheme-param") -> dict[str, An
 
 
 def parse_encodings(text: str, defaults: dict[str, Any] | None = None, what: str = "--encodings") -> list[Encoding]:
-    """A comma-separated list of specs -> encodings (duplicates dropped, order kept). ``defaults``: parameters
+    """A comma-separated list of specs or :data:`PRESETS` names -> encodings (duplicates dropped, order kept). ``defaults``: parameters
     applied to every spec whose scheme has that field (``--scheme-param``); a default no spec can take is an error."""
-    parts = [p for p in text.split(",") if p.strip()]
+    parts = [q for p in text.split(",") if p.strip() for q in PRESETS.get(p.strip(), p).split(",")]
     if not parts:
         raise QRecoverError(f"{what} {text!r} names no encoding; write {GRAMMAR}")
     out: list[Encoding] = []
@@ -226,5 +237,5 @@ def embedding_encodings(mode: str, encodings: str | None, budgeted: bool) -> lis
     return [e for e in LEGACY_EMBEDDING if e.bits == int(mode)]
 
 
-__all__ = ["Encoding", "GRAMMAR", "parse_params", "LEGACY_EMBEDDING", "EXTRA_EMBEDDING", "embedding_encodings", "format_encoding",
+__all__ = ["Encoding", "GRAMMAR", "PRESETS", "parse_params", "LEGACY_EMBEDDING", "EXTRA_EMBEDDING", "embedding_encodings", "format_encoding",
            "linear_encodings", "make_encoding", "parse_encoding", "parse_encodings"]
