@@ -451,7 +451,8 @@ def write_report(names: list[str], calib_samples: int, report: Path, arch: str =
     lines = [f"Default model (SmolLM2-135M-Instruct), calibration {calib_samples} x 512 tokens of python-docs; held-out "
              f"ppl = 32 x 512 tokens of the eval split (README protocol); original ppl "
              f"{fmt(orig and orig['ppl'], '.3f')}. Uniform rows: linear layers only at the setting, embedding 8-bit "
-             f"per channel (qrecover) / fp32 (llm-compressor); 3.7 rows: whole-model allocation. CPU, 2 cores shared "
+             f"per channel (qrecover) / fp32 (llm-compressor); 3.7 rows: whole-model allocation, the embedding's "
+             f"candidates those of `--embedding-bits auto` ({EMBEDDING_MENU}). CPU, 2 cores shared "
              f"with other work, one row at a time, OMP_NUM_THREADS as in the threads column. Wall and CPU time (user + "
              f"system, robust to the neighbours) and peak RSS: the compress (or llm-compressor oneshot) process alone.", "",
              "| row | encodings | bpw model | bpw linear | ppl | ratio | wall (s) | CPU (s) | threads | peak RSS (MiB) | note |",
