@@ -377,11 +377,11 @@ def test_finalize_sees_quantized_inputs(tiny_model_dir):
 
 def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
-    assert parse_encodings("quality") == parse_encodings(PRESETS["quality"])
-    assert parse_encodings("quality")[0].transforms == ("awq",)
+    assert parse_encodings("mixed-awq") == parse_encodings(PRESETS["mixed-awq"])
+    assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):
-        parse_encodings("qualty")
+        parse_encodings("mixd")
 
 
 def test_every_builtin_embedding_label_parses_back_to_its_encoding():

@@ -28,16 +28,17 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
 
-  qrecover compress --bpw 3.7 --encodings quality    # the measured best menu (AWQ+GPTQ, palettize, GPTQ)
+  qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers (best on held-out text)
 
 Encoding specs: SCHEME:BITS, then optional /OPTION parts and an optional TRANSFORM+ prefix; OPTION is gN (group_size=N), bN (block_size=N),
 pc (per channel), sym, asym, key=value (any field of the scheme's config); e.g. gptq:4/g64/sym,
 awq+gptq:3/g128, palettize:3/g1 (one table per row). A transform (awq+...) is model-level: applied once,
 every candidate then quantizes the transformed weights.
 
-Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md): afm (palettize:2,3,4, the
-default), mixed (+ gptq:3/g64, gptq:4/g64), quality (awq+gptq:3/g64, palettize:2,3,4, gptq:4/g64; architectures with
-an AWQ mapping). They mix with specs: --encodings quality,blockwise:8/pc.
+Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
+(palettize:2,3,4, the default), mixed (+ gptq:3/g64, gptq:4/g64; best on held-out text), mixed-awq (awq+gptq:3/g64,
+palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; best on the calibration domain only). They mix
+with specs: --encodings mixed,blockwise:8/pc.
 """
 
 
@@ -59,7 +60,7 @@ def compress(
                                                                         "tables, 4/3-bit GPTQ groups of 32), 'legacy' (the first four), 4 or 8."),
     encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
                                                                       "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: afm, "
-                                                                      "mixed, quality (overrides --scheme/--bits)."),
+                                                                      "mixed, mixed-awq (overrides --scheme/--bits)."),
     embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
                                                                                           "blockwise:4/b32/asym,palettize:3/g1 (overrides "
                                                                                           "--embedding-bits)."),

@@ -38,16 +38,17 @@ from ..schemes.base import _REGISTRY
 from ..transforms import transform_names
 
 GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym, "
-           "or a preset name (afm, mixed, quality)")
+           "or a preset name (afm, mixed, mixed-awq)")
 
-#: Named menus for the decoder linear layers (``--encodings quality``), each measured on the default model at
-#: ``--bpw 3.7`` (``benchmarks/schemes.py``, reports/schemes.md): ``afm`` is the default (AFM's palettization);
-#: ``mixed`` adds GPTQ integer layers (every architecture); ``quality`` also AWQ-scaled 3-bit GPTQ layers (only
-#: architectures with an AWQ mapping: Llama/Qwen/Gemma/Phi-3 families), the lowest perplexity measured.
+#: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
+#: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is the default (AFM's palettization);
+#: ``mixed`` adds GPTQ integer layers (every architecture; the best on the worst held-out domain); ``mixed-awq``
+#: also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): the lowest perplexity on the calibration
+#: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones.
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
-    "quality": "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64",
+    "mixed-awq": "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64",
 }
 
 _SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
