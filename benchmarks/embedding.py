@@ -29,12 +29,12 @@ from pathlib import Path
 # run as a script, this directory is sys.path[0]; its kernels.py would shadow the ``kernels`` package that
 # transformers probes for on import
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = "blockwise:4/b32/asym,gptq:4/g32,blockwise:3/b32/asym,gptq:3/g32,gptq:2/g32"
-DOMAINS = ("shakespeare", "gsm8k", "mmlu")
 
 
 def main() -> None:
@@ -46,11 +46,10 @@ def main() -> None:
     ap.add_argument("--report", default=str(ROOT / "reports"))
     args = ap.parse_args()
 
-    from qrecover.api import perplexity
+    from benchmarks.common import domain_ppl, domain_windows
     from qrecover.calibrate import gradient_stats
     from qrecover.data import token_windows
     from qrecover.models import is_tied, load_model
-    from qrecover.recovery.heldout import heldout_windows, windows_perplexity
     from qrecover.stages.candidates import embedding_stats, quantize_unit
     from qrecover.stages.specs import parse_encodings
 
@@ -64,12 +63,10 @@ def main() -> None:
     grads = gradient_stats(model, token_windows(tok, "python-docs", "calib", args.calib_samples, 512), show_progress=False)
     (stats, damage_fn), _ = embedding_stats(grads, tuple(w0.shape), tied, "cpu")
     print(f"calibration: {time.time() - t0:.0f} s", flush=True)
-    held = {d: heldout_windows(tok, d, args.heldout_windows, 512) for d in DOMAINS}
+    texts = domain_windows(tok, args.heldout_windows)
 
     def measure() -> dict[str, float]:
-        out = {"python-docs": perplexity(model, tok, show_progress=False)["ppl"]}
-        out.update({d: windows_perplexity(model, w)["ppl"] for d, w in held.items()})
-        return out
+        return domain_ppl(model, texts)
 
     rows = [{"encoding": "original (bf16 weights in fp32)", "bpw": 16.0, "damage": 0.0, "ppl": measure()}]
     base = rows[0]["ppl"]
@@ -97,7 +94,7 @@ def main() -> None:
     meta = {"model": source.name, "tied": tied, "shape": list(w0.shape), "calib_windows": args.calib_samples,
             "heldout_windows": args.heldout_windows, "threads": os.environ.get("OMP_NUM_THREADS", "default")}
     (report / "embedding.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    cols = ["python-docs", *DOMAINS]
+    cols = list(texts)
     lines = [
         "# The embedding alone (benchmarks/embedding.py)",
         "",

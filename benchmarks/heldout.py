@@ -19,8 +19,7 @@ from pathlib import Path
 
 # run as a script, this directory is sys.path[0]; its kernels.py would shadow the ``kernels`` package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-DOMAINS = ("shakespeare", "gsm8k", "mmlu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
@@ -31,33 +30,28 @@ def main() -> None:
     args = ap.parse_args()
 
     import qrecover
-    from qrecover.api import perplexity
+    from benchmarks.common import domain_ppl, domain_windows
     from qrecover.models import load_model
-    from qrecover.recovery.heldout import heldout_windows, windows_perplexity
-
-    def score(model, tok) -> dict[str, float]:
-        model.eval()
-        out = {"python-docs": perplexity(model, tok, show_progress=False)["ppl"]}
-        out.update({d: windows_perplexity(model, heldout_windows(tok, d, args.windows, 512))["ppl"] for d in DOMAINS})
-        return out
 
     model, tok, _ = load_model(None)
-    rows = [{"name": "original", "bpw": None, "ppl": score(model, tok)}]
+    texts = domain_windows(tok, args.windows)  # tokenized once, scored for every model
+    domains = [d for d in texts if d != "python-docs"]
+    rows = [{"name": "original", "bpw": None, "ppl": domain_ppl(model.eval(), texts)}]
     del model
     print(json.dumps(rows[-1]), flush=True)
     for ck in args.checkpoints:
         model = qrecover.load(ck)
         m = model.qrecover_manifest
         rows.append({"name": ck.name, "bpw": m["measured_bpw"]["model"], "encodings": m["config"].get("encodings"),
-                     "ppl": score(model, tok)})
+                     "ppl": domain_ppl(model.eval(), texts)})
         del model
         print(json.dumps(rows[-1]), flush=True)
 
-    cols = ["python-docs", *DOMAINS]
+    cols = list(texts)
     base = rows[0]["ppl"]
     lines = ["# Held-out perplexity of compressed checkpoints (benchmarks/heldout.py)", "",
              f"python-docs: the README protocol (32 x 512 tokens of the eval split, the calibration domain); "
-             f"{', '.join(DOMAINS)}: {args.windows} x 512 tokens each (qrecover.recovery.heldout). Ratio to the "
+             f"{', '.join(domains)}: {args.windows} x 512 tokens each (qrecover.recovery.heldout). Ratio to the "
              f"original; worst = the largest of the held-out domains' ratios. CPU, OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', 'default')}.", "",
              "| checkpoint | bpw | " + " | ".join(f"{c} (ratio)" for c in cols) + " | worst held-out |",
@@ -66,7 +60,7 @@ def main() -> None:
         ratios = {c: r["ppl"][c] / base[c] for c in cols}
         bpw = "16 (bf16)" if r["bpw"] is None else f"{r['bpw']:.3f}"
         lines.append(f"| {r['name']} | {bpw} | " + " | ".join(f"{r['ppl'][c]:.3f} ({ratios[c]:.3f})" for c in cols)
-                     + f" | {max(ratios[d] for d in DOMAINS):.3f} |")
+                     + f" | {max(ratios[d] for d in domains):.3f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps({"windows": args.windows, "rows": rows}, indent=1) + "\n")

@@ -73,8 +73,7 @@ def embedding_stats(grads: dict | None, shape: tuple[int, int], tied: bool, devi
     """
     if grads is None:
         return ({}, None), ({}, None)
-    hd = {k: v.to(device) for k, v in grads["head"].items()}
-    h, g = hd["hessian"], hd["out_grad_sq"]
+    h, g = grads["head"]["hessian"].to(device), grads["head"]["out_grad_sq"].to(device)
     fisher_dim = grads["emb_fisher"].to(device).sum(0) / shape[0]  # (hidden,)
     fisher = fisher_dim.expand(shape)
     if tied:
