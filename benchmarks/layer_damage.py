@@ -4,7 +4,8 @@ Statistics (input Hessian, input energies, output-gradient moments) are fitted o
 and the damage is measured with the same statistics from held-out windows: the predicted loss increase
 ``0.5 * sum_i g_i (dW H dW^T)_ii`` (what the allocator uses) and the plain output error ``tr(dW H dW^T)``,
 summed over 16 linears (q, o, gate, down of layers 2, 12, 22, 28), at 2, 3 and 4 bits, as ratios to
-palettize's default. Compares palettize's input vs Fisher weighting and gptq's options against RTN.
+palettize's default, with each option's bits per weight (codes, tables, scales). Compares palettize's input vs
+Fisher weighting, its least-squares table refit and tables per block of 192 columns, and gptq's options against RTN.
 
     python benchmarks/layer_damage.py [--windows 8]
 """
@@ -32,6 +33,9 @@ CONFIGS = {
     "palettize input p1": ("palettize", {"importance_power": 1.0}),
     "palettize fisher p0.5": ("palettize", {"weighting": "fisher"}),
     "palettize fisher p1": ("palettize", {"weighting": "fisher", "importance_power": 1.0}),
+    "palettize refit=2": ("palettize", {"refit": 2}),
+    "palettize b192": ("palettize", {"block_size": 192}),
+    "palettize b192 refit=2": ("palettize", {"block_size": 192, "refit": 2}),
     "rtn g64 asym": ("blockwise", {"block_size": 64, "symmetric": False}),
     "gptq g64 sym": ("gptq", {"group_size": 64, "symmetric": True}),
     "gptq g64 sym act": ("gptq", {"group_size": 64, "symmetric": True, "act_order": True}),
@@ -84,26 +88,29 @@ def main() -> None:
     ev = layer_stats(model, tok, names, "eval", args.windows)
     print(f"statistics: {time.time() - t0:.0f} s")
     mods = dict(model.named_modules())
-    damage = {(c, b): [0.0, 0.0] for c in CONFIGS for b in BITS}
+    damage = {(c, b): [0.0, 0.0, 0] for c in CONFIGS for b in BITS}
     seconds = dict.fromkeys(CONFIGS, 0.0)
     for n in names:
         w = mods[n].weight.detach()
         for c, (scheme, params) in CONFIGS.items():
             t = time.time()
-            qws = get_quantizer(scheme, **params).quantize_many(w, list(BITS), cal[n])
+            q = get_quantizer(scheme, **params)
+            qws = q.quantize_many(w, list(BITS), cal[n])
             seconds[c] += time.time() - t
             for b, qw in zip(BITS, qws):
+                damage[(c, b)][2] += q.nbytes(tuple(w.shape), b)
                 dw = (w - qw.dequantize()).double()
                 damage[(c, b)][0] += linear_damage(dw, ev[n]["hessian"], ev[n]["out_grad_sq"])
                 damage[(c, b)][1] += float(torch.einsum("oi,ij,oj->", dw, ev[n]["hessian"].double(), dw))
     base = next(iter(CONFIGS))
-    print("| bits | option | predicted loss increase | ratio | output error | ratio |")
-    print("|---|---|---|---|---|---|")
+    n_weights = sum(mods[n].weight.numel() for n in names)
+    print("| bits | option | bpw | predicted loss increase | ratio | output error | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for b in BITS:
         ref = damage[(base, b)]
         for c in CONFIGS:
             d = damage[(c, b)]
-            print(f"| {b} | {c} | {d[0]:.4g} | {d[0] / ref[0]:.3f} | {d[1]:.4g} | {d[1] / ref[1]:.3f} |")
+            print(f"| {b} | {c} | {8 * d[2] / n_weights:.3f} | {d[0]:.4g} | {d[0] / ref[0]:.3f} | {d[1]:.4g} | {d[1] / ref[1]:.3f} |")
     print("quantize seconds (3 widths x 16 layers):", {c: round(s, 1) for c, s in seconds.items()})
 
 

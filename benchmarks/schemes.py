@@ -70,6 +70,7 @@ LLMC_PY = os.environ.get("QRECOVER_LLMC_PYTHON", "venv-llmc/bin/python")
 MIXED = "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64"
 # The same menu on the AWQ-transformed model (the transform is model-level; its scale search optimises the first
 # encoding that names it, 3-bit g64 here, the width most linear layers get at 3.7 bpw).
+PAL_BLOCKS = "palettize:2,palettize:3,palettize:4,palettize:2/b192,palettize:3/b192,palettize:4/b192"
 MIXED_AWQ = "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64"
 
 # name -> settings. kind "qrecover": compress args; kind "llmc": llm-compressor modifier and quant args.
@@ -98,6 +99,14 @@ ROWS: dict[str, dict] = {
     "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym", "finalize_groups": "layer"},
     "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
     "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
+    "gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "gptq:3/g64/asym/act_order=true"},
+    "default-3.7-calibmix": {"kind": "qrecover", "bpw": 3.7, "embedding": "auto", "calib_data": "calib-mix"},
+    "default-3.7-refit2-calibmix": {"kind": "qrecover", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"],
+                                    "calib_data": "calib-mix"},
+    "default-3.7-refit2": {"kind": "qrecover", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
+    "blocks-3.7": {"kind": "qrecover", "encodings": PAL_BLOCKS, "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
+    "mixed-blocks-3.7": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
+                         "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
 }
 
 
@@ -134,6 +143,15 @@ NOT_RUN_DEFAULT = ("not run (time): on 2 shared cores a qrecover row took 4-22 m
 # The embedding candidates of ``--embedding-bits auto`` (rows with "embedding": "auto" hash it: a cached row made with
 # another menu is not reused). v2: GPTQ candidates against the tied head's Hessian added (qrecover.stages.specs).
 EMBEDDING_MENU = "v2: blockwise 4/b128 4/b64 4/b32 8 3/b32 2/b32, palettize 4/g1 3/g1, gptq 4/g32 3/g32"
+
+
+def encodings_label(r: dict) -> str:
+    """What a row compresses with, as a user would write it (its --scheme-param values included)."""
+    if r["kind"] == "llmc":
+        return f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym"
+    enc = r.get("encodings") or "default (palettize:2,3,4)"
+    return (enc + "".join(f" --scheme-param {p}" for p in r.get("scheme_params", ()))
+            + (f" --calib-data {r['calib_data']}" if r.get("calib_data") else ""))
 
 
 def row_key(name: str, calib_samples: int) -> str:
@@ -254,6 +272,8 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
         cmd += ["--scheme-param", p]
     if s.get("finalize_groups"):
         cmd += ["--finalize-groups", s["finalize_groups"]]
+    if s.get("calib_data"):
+        cmd += ["--calib-data", s["calib_data"]]
     rc, out, err, wall, rss = run_child(cmd, child_env())
     cpu = CPU_SECONDS[-1]
     if rc:
@@ -458,8 +478,7 @@ def write_report(names: list[str], calib_samples: int, report: Path, arch: str =
              "| row | encodings | bpw model | bpw linear | ppl | ratio | wall (s) | CPU (s) | threads | peak RSS (MiB) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        enc = r.get("encodings") or (f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" if r["kind"] == "llmc"
-                                     else "default (palettize:2,3,4)")
+        enc = encodings_label(r)
         if "ppl" not in r:
             why = r.get("skipped") or r.get("error") or NOT_RUN.get(r["name"], NOT_RUN_DEFAULT)
             lines.append(f"| {r['name']} | `{enc}` | | | | | | | | | {why[:200]} |")
@@ -503,8 +522,7 @@ def write_arch_report(arch: str, rows: list[dict], orig: dict | None, calib_samp
         if r["kind"] == "fold":
             fold = r
             continue
-        enc = r.get("encodings") or (f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" if r["kind"] == "llmc"
-                                     else "default (palettize:2,3,4)")
+        enc = encodings_label(r)
         if "ppl" not in r:
             why = r.get("skipped") or r.get("error") or "not run (the helper's time; rows ran in priority order)"
             why = " ".join(why.split()).replace("|", "\\|")

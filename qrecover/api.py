@@ -17,7 +17,7 @@ from ._version import __version__
 from .allocate import Choice
 from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
-from .data import token_windows
+from .data import calibration_windows, token_windows
 from .errors import QRecoverError
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
@@ -141,7 +141,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     untied_head = head is not None and not tied
     if untied_head:
         units[head_name] = {"kind": "head", "module": head, "cands": emb_encs}
-    windows = token_windows(tok, cfg.calib_data, "calib", cfg.calib_samples, cfg.seq_len)
+    windows = calibration_windows(tok, cfg.calib_data, cfg.calib_samples, cfg.seq_len, model=cfg.model, show_progress=show_progress)
 
     # stage transform (optional, model-level, function-preserving)
     tinfo = apply_transforms(model, windows, lin_encs + emb_encs, device, show_progress)

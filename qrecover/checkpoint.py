@@ -23,6 +23,12 @@ MANIFEST = "qrecover.json"  # the manifest: how to load the checkpoint, its sour
 WEIGHTS = "model.safetensors"  # packed codes, tables, scales, zero points and the 16-bit remainder
 
 
+def source_model_spec(manifest: dict[str, Any]) -> str | None:
+    """The unquantized model a checkpoint was compressed from, as a model spec (None: the built-in default)."""
+    src = manifest.get("source") or {}
+    return None if src.get("kind", "default") == "default" else src.get("path")
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of the checkpoint directory ``path``; a QRecoverError for a missing, corrupt or newer one."""
     path = Path(path)

@@ -91,7 +91,7 @@ def test_default_mix_loads():
 
 
 @pytest.mark.parametrize("recipe, message", [
-    ({"source": [{"name": "a", "kind": "builtin", "weight": 1, "pth": "x"}]}, "unknown key 'pth'; allowed keys: name, kind, weight, max_documents"),
+    ({"source": [{"name": "a", "kind": "builtin", "weight": 1, "pth": "x"}]}, "unknown key 'pth'; allowed keys: name, kind, weight, split, max_documents"),
     ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "x", "samples": 3}]},
      "unknown key 'samples'; allowed keys: name, kind, weight, path, split"),
     ({"sources": []}, "unknown top-level key(s) ['sources']"),
@@ -439,3 +439,54 @@ def test_chat_errors(smol_tok, messages, message):
 def test_chat_without_template_fails_clearly():
     with pytest.raises(QRecoverError, match="has no chat template"):
         encode_chat(CharTok(), CONV)
+
+
+# --- calibration from a mix (compress --calib-data RECIPE) ------------------------------------------------
+
+
+def _two_source_recipe(tmp_path: Path) -> Path:
+    for name, word in (("a", "alpha"), ("b", "omega")):
+        d = tmp_path / name
+        d.mkdir()
+        for i in range(4):
+            (d / f"{i}.txt").write_text(" ".join([f"{word} {i} number {j}." for j in range(60)]))
+    recipe = tmp_path / "calib.toml"
+    recipe.write_text('[[source]]\nname = "a"\nkind = "text"\npath = "a/*.txt"\nweight = 1.0\n\n'
+                      '[[source]]\nname = "b"\nkind = "text"\npath = "b/*.txt"\nweight = 3.0\n')
+    return recipe
+
+
+def test_calibration_windows_from_a_mix(tmp_path, tiny_model_dir):
+    """A recipe calibrates on its sources in their token shares (one source per window); text sources keep
+    the calib split."""
+    from transformers import AutoTokenizer
+
+    from qrecover.data import calibration_windows, is_mix, token_windows
+
+    recipe = _two_source_recipe(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    w = calibration_windows(tok, str(recipe), 4, 32)
+    assert w.shape == (4, 32) and w.dtype == torch.long
+    texts = [tok.decode(x) for x in w]
+    assert sum("alpha" in t for t in texts) == 1 and sum("omega" in t for t in texts) == 3
+    assert not any("alpha" in t and "omega" in t for t in texts)
+    assert is_mix(str(recipe)) and is_mix("calib-mix")
+    assert not is_mix("python-docs") and not is_mix("table10") and not is_mix(str(tmp_path / "a"))
+    assert torch.equal(calibration_windows(tok, "python-docs", 2, 32), token_windows(tok, "python-docs", "calib", 2, 32))
+
+
+def test_compress_calibrates_on_a_mix(tmp_path, tiny_model_dir):
+    """compress --calib-data RECIPE: the statistics come from the mix (another checkpoint than the docs give) and
+    the manifest names the recipe."""
+    from qrecover.api import compress
+    from qrecover.checkpoint import read_manifest
+    from qrecover.config import CompressConfig
+
+    recipe = _two_source_recipe(tmp_path)
+    cfg = dict(model=str(tiny_model_dir), bpw=4.0, calib_samples=2, seq_len=64)
+    compress(CompressConfig(**cfg, calib_data=str(recipe)), out=tmp_path / "mix", show_progress=False)
+    compress(CompressConfig(**cfg), out=tmp_path / "docs", show_progress=False)
+    m = read_manifest(tmp_path / "mix")
+    assert m["calibration"]["source"] == str(recipe)
+    a = (tmp_path / "mix" / "model.safetensors").read_bytes()
+    assert a != (tmp_path / "docs" / "model.safetensors").read_bytes()

@@ -15,7 +15,8 @@ ModelArg = typer.Option(None, "--model", "-m", help="Hugging Face causal-LM dire
 AdapterOpt = typer.Option(None, "--adapter", help="A recovery/feature adapter directory (PEFT) trained on this checkpoint; another base's adapter is "
                                                   "refused.")
 AllowForeignOpt = typer.Option(False, "--allow-foreign-adapter", help="Load --adapter even though it was trained on another checkpoint.")
-CalibDataOpt = typer.Option("python-docs", "--calib-data", help="Text: 'python-docs' (built in), or a directory, file or glob of text files.")
+CalibDataOpt = typer.Option("python-docs", "--calib-data", help="Text: 'python-docs' (built in), or a directory, file or glob of text files; "
+                            "or a data-mix recipe: 'calib-mix' (shipped: the docs' calib split + the model's own general chats) or a .toml file.")
 
 
 def emit_json(obj: Any) -> None:

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from ..api import load, perplexity
-from ..data import token_windows
+from ..checkpoint import source_model_spec
+from ..data import calibration_windows as text_calibration_windows
 from ..errors import QRecoverError
 from ..models import load_model
 from ..qlinear import QuantLinear
@@ -45,7 +46,8 @@ def calibration_windows(ckpt: Checkpoint, tokenizer: Any, n: int) -> torch.Tenso
     if n < 1:
         raise QRecoverError(f"--merge-windows {n}: the merge needs at least 1 calibration window (default 8)")
     cal = ckpt.manifest.get("calibration") or {}
-    return token_windows(tokenizer, cal.get("source", "python-docs"), "calib", n, int(cal.get("seq_len", 512)))
+    return text_calibration_windows(tokenizer, cal.get("source", "python-docs"), n, int(cal.get("seq_len", 512)),
+                                    model=source_model_spec(ckpt.manifest))
 
 
 def reference_model(ckpt: Checkpoint) -> tuple[nn.Module | None, str]:

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..api import load
-from ..checkpoint import read_manifest
-from ..data import token_windows
+from ..checkpoint import read_manifest, source_model_spec
+from ..data import calibration_windows, is_mix, token_windows
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
@@ -171,7 +171,8 @@ def _calibration_windows(tokenizer: Any, manifest: dict[str, Any]) -> tuple[dict
     ``calib``), whose teacher inputs weight the 'svd' initialisation and the rank allocation."""
     calib = manifest.get("calibration") or {}
     source, split = calib.get("source", "python-docs"), calib.get("split", "calib")
-    windows = token_windows(tokenizer, source, split, INIT_WINDOWS, 512)
+    windows = (calibration_windows(tokenizer, source, INIT_WINDOWS, 512, model=source_model_spec(manifest)) if is_mix(source)
+               else token_windows(tokenizer, source, split, INIT_WINDOWS, 512))
     return {"source": source, "split": split, "tokens": int(windows.numel())}, windows
 
 
@@ -290,7 +291,7 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
         init = _init_from_error(peft_model, teacher, calibration, show_progress) if cfg.init == "svd" else {"method": "zero"}
         world = process_state().num_processes
-        generator = teacher if teacher is not None else (None if manifest["source"]["kind"] == "default" else manifest["source"]["path"])
+        generator = teacher if teacher is not None else source_model_spec(manifest)
         loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,
                               mix if isinstance(mix, Mix) else None, generator=generator, show_progress=show_progress)
         summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,

@@ -75,7 +75,7 @@ KIND_KEYS: dict[str, tuple[str, ...]] = {
     "jsonl": ("path", "field", "messages_field", "max_documents"),
     "parquet": ("path", "field", "messages_field", "max_documents"),
     "hf": ("dataset", "config", "split", "data_files", "revision", "field", "messages_field", "max_documents", "shuffle_buffer"),
-    "builtin": ("max_documents",),
+    "builtin": ("split", "max_documents"),
     "selfgen": ("samples", "max_new_tokens", "temperature", "top_p", "seed", "model", "batch_size", "prompt_mode", "topics"),
 }
 PLAN_VERSION = 1
@@ -91,7 +91,7 @@ class Source:
     weight: float = doc_field(None, "share of the training tokens (normalised over the sources; >= 0)")
     path: str | None = doc_field(None, "text/jsonl/parquet: a file, a directory or a glob (relative to the recipe file)")
     split: str | None = doc_field(None, "text: one of eval/calib/train (the path-hash split of qrecover.data; None = every file); "
-                                        "hf: the dataset split (default 'train')")
+                                        "builtin: the same (default 'train'); hf: the dataset split (default 'train')")
     field: str = doc_field("text", "jsonl/parquet/hf: the field holding a document's text")
     messages_field: str = doc_field("messages", "jsonl/parquet/hf: the field holding a chat (list of {role, content}); it wins over `field` when "
                                                 "present")
@@ -154,8 +154,9 @@ def _source_from_dict(d: Any, i: int) -> Source:
         raise QRecoverError(f"source #{i + 1}: name must not be empty")
     if src.kind in ("text", "jsonl", "parquet") and not src.path:
         raise QRecoverError(f"{where} (kind {src.kind!r}) needs a path: a file, a directory or a glob")
-    if src.kind == "text" and src.split is not None and src.split not in SPLITS:
-        raise QRecoverError(f"{where}: split = {src.split!r} must be one of {list(SPLITS)} (or left out for every file)")
+    if src.kind in ("text", "builtin") and src.split is not None and src.split not in SPLITS:
+        default = "every file" if src.kind == "text" else "the train split"
+        raise QRecoverError(f"{where}: split = {src.split!r} must be one of {list(SPLITS)} (or left out for {default})")
     if src.kind == "hf" and not src.dataset:
         raise QRecoverError(f"{where} (kind 'hf') needs dataset = \"owner/name\" (and optionally config, split, revision)")
     for k in ("max_documents", "shuffle_buffer", "samples", "max_new_tokens", "batch_size"):
@@ -469,7 +470,7 @@ class MixLoader:
         if src.kind == "hf":
             return _HFDocs(src)
         if src.kind == "builtin":
-            docs: _Docs = text_docs("python-docs", "train")
+            docs: _Docs = text_docs("python-docs", src.split or "train")
         elif src.kind == "text":
             _list_files(src, self.mix.base_dir)
             docs = text_docs(_resolve(src.path, self.mix.base_dir), src.split)

@@ -44,6 +44,9 @@ class PalettizeConfig:
     importance_power: float = doc_field(0.5, "k-means weight = importance**power; 0.5 measured best on true output error (1 over-fits the diagonal)")
     error_feedback: bool = doc_field(True, "after fitting the tables, assign codes column by column with GPTQ error feedback (needs the input "
                                            "Hessian)")
+    refit: int = doc_field(0, "with error feedback: refit the table values to the layer's output error this many times (least squares in "
+                              "the input Hessian for the fixed codes), reassigning the codes with feedback between refits; each width "
+                              "keeps the tables and codes of lowest output error on the calibration Hessian")
 
 
 WEIGHTINGS = ("input", "fisher")
@@ -117,6 +120,8 @@ class Palettize(Quantizer):
         super().__init__(config, **params)
         if self.config.weighting not in WEIGHTINGS:
             raise QRecoverError(f"palettize weighting={self.config.weighting!r} is unknown; choose from {list(WEIGHTINGS)}")
+        if self.config.refit < 0:
+            raise QRecoverError(f"palettize refit={self.config.refit} must be 0 (k-means tables) or more (least-squares refits)")
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]  # depends on the config
@@ -158,7 +163,19 @@ class Palettize(Quantizer):
         # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
         luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
         if self.config.error_feedback and "hessian" in stats:
-            all_codes = self._assign_with_feedback(weight, stats["hessian"], luts, g, c)
+            h = stats["hessian"]
+            all_codes = self._assign_with_feedback(weight, h, luts, g, c)
+            if self.config.refit:
+                # reassigning with refitted tables usually lowers the error further but need not: keep each width's best
+                best = [(_output_error(weight, lut, codes, h, g, c), lut, codes) for lut, codes in zip(luts, all_codes)]
+                for n in range(self.config.refit):
+                    if n:
+                        all_codes = self._assign_with_feedback(weight, h, luts, g, c)
+                    refits = [refit_tables(weight, codes, lut, h, g, c) for codes, lut in zip(all_codes, luts)]
+                    luts, all_codes = [t for t, _ in refits], [k for _, k in refits]
+                    best = [min(b, (_output_error(weight, lut, codes, h, g, c), lut, codes), key=lambda x: x[0])
+                            for b, lut, codes in zip(best, luts, all_codes)]
+                luts, all_codes = [b[1] for b in best], [b[2] for b in best]
         else:
             all_codes = [_from_groups(groups.codes(groups.edges(lut)), out_f, in_f, g, c) for lut in luts]
         return [self._pack(bits, shape, {"qdata": pack(codes, bits), "lut": lut.contiguous()})
@@ -219,6 +236,63 @@ class Palettize(Quantizer):
         codes = unpack(qw.tensors["qdata"], qw.bits, out_f * in_f).view(out_f // g, g, in_f // c, c).long()
         base = torch.arange((out_f // g) * (in_f // c), device=codes.device).view(out_f // g, 1, in_f // c, 1) * k
         return qw.tensors["lut"].to(dtype).reshape(-1)[codes + base].reshape(out_f, in_f)
+
+
+def refit_tables(weight: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor, hessian: torch.Tensor, g: int, c: int,
+                 ridge: float = 1e-6, max_elements: int = 2**24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table values that minimise the output error ``tr((W - Q) H (W - Q)^T)`` for fixed codes.
+
+    ``Q``'s entries are table values, so for fixed codes ``Q`` is linear in them and the best tables solve a
+    least-squares problem: for the table ``t`` of one group of ``g`` rows and one block of columns ``b``,
+    ``A t = A t_old + sum_r M_r^T (e_r H)_b`` with ``M_r`` the one-hot ``(c, K)`` code matrix of row ``r`` in the
+    block, ``A = sum_r M_r^T H_bb M_r`` and ``e_r = w_r - q_r`` the current error. The blocks of a row are
+    coupled through ``H``; they are solved one after another, each with the others' latest values (one
+    Gauss-Seidel sweep, exact when a table spans the whole row). Entries that no code uses keep their value.
+
+    weight ``(O, I)``, codes ``(O, I)``, lut ``(O/g * I/c, K)`` (row-major ``(O/g, I/c)``, as stored).
+    Returns ``(lut, codes)``: fp16 tables sorted ascending again and the codes renumbered to match.
+    """
+    out_f, in_f = weight.shape
+    k, nb, ng = lut.shape[1], in_f // c, out_f // g
+    h = hessian.to(device=weight.device, dtype=torch.float32)
+    t = lut.float().view(ng, nb, k).clone()
+    codes = codes.view(out_f, nb, c)
+    rows_t = t.repeat_interleave(g, dim=0)  # (O, nb, K)
+    he = (weight.float() - rows_t.gather(2, codes).view(out_f, in_f)) @ h  # e H, (O, I); H symmetric
+    step = max(1, max_elements // max(1, g * c * k)) * g  # rows per chunk: bounds the one-hot (rows, c, K)
+    for b in range(nb):
+        cols = slice(b * c, (b + 1) * c)
+        h_bb = h[cols, cols]
+        a = torch.zeros(ng, k, k, dtype=torch.float64, device=weight.device)
+        r = torch.zeros(ng, k, dtype=torch.float64, device=weight.device)
+        for r0 in range(0, out_f, step):
+            r1 = min(out_f, r0 + step)
+            oh = F.one_hot(codes[r0:r1, b], k).float()  # (rows, c, K)
+            hm = (h_bb @ oh.permute(1, 0, 2).reshape(c, -1)).view(c, r1 - r0, k).permute(1, 0, 2)
+            a[r0 // g:r1 // g] = (oh.transpose(1, 2) @ hm).view(-1, g, k, k).sum(1).double()
+            r[r0 // g:r1 // g] = torch.einsum("nck,nc->nk", oh, he[r0:r1, cols]).view(-1, g, k).sum(1).double()
+        diag = a.diagonal(dim1=1, dim2=2)
+        unused = diag <= 0
+        scale = diag.mean(-1, keepdim=True).clamp_min(1e-30)
+        a = a + torch.diag_embed(ridge * scale.expand_as(diag) + unused.double() * scale)
+        delta = torch.linalg.solve(a, r.unsqueeze(-1)).squeeze(-1).masked_fill(unused, 0.0)
+        new = (t[:, b].double() + delta).half().float()
+        dq = (new - t[:, b]).repeat_interleave(g, dim=0).gather(1, codes[:, b])  # (O, c): the change of Q
+        he -= dq @ h[cols]
+        t[:, b] = new
+    t, order = t.sort(dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(k, device=order.device).expand_as(order))
+    codes = rank.repeat_interleave(g, dim=0).gather(2, codes).view(out_f, in_f)
+    return t.view(ng * nb, k).half().contiguous(), codes
+
+
+def _output_error(weight: torch.Tensor, lut: torch.Tensor, codes: torch.Tensor, hessian: torch.Tensor, g: int, c: int) -> float:
+    """``tr((W - Q) H (W - Q)^T)`` for the tables ``lut`` (stored order) and codes ``(O, I)``."""
+    out_f, in_f = weight.shape
+    k = lut.shape[1]
+    rows = lut.float().view(out_f // g, in_f // c, k).repeat_interleave(g, dim=0)
+    e = weight.float() - rows.gather(2, codes.view(out_f, in_f // c, c)).view(out_f, in_f)
+    return float((e @ hessian.to(device=e.device, dtype=torch.float32) * e).sum())
 
 
 def _to_groups(w: torch.Tensor, g: int, c: int) -> torch.Tensor:
