@@ -77,13 +77,25 @@ def _check_linears(model: nn.Module, linears: dict[str, nn.Module]) -> None:
 
 
 def _check_shapes(lin: list[Encoding], shapes: dict[str, tuple[int, int]]) -> None:
-    """Every linear encoding must fit every linear layer: refuse with the spec and the shape."""
+    """Every linear layer needs an encoding of the menu that fits it, and every encoding a layer it fits: refuse
+    with the spec and the shape. A menu may hold encodings that fit only some layers (tables per 192 columns on
+    a model with 576- and 1536-column layers, say); the other layers choose without them. An encoding from a preset
+    (``optional``) may fit no layer at all: a preset serves models of every width."""
+    errors: dict[tuple[str, str], str] = {}
     for e in lin:
         for n, shape in shapes.items():
             try:
                 e.quantizer.check(shape, e.bits)
             except QRecoverError as err:
-                raise QRecoverError(f"encoding {e.label!r} cannot store {n} {shape}: {err}") from None
+                errors[e.label, n] = str(err)
+    for e in lin:
+        if not e.optional and all((e.label, n) in errors for n in shapes):
+            n = next(iter(shapes))
+            raise QRecoverError(f"encoding {e.label!r} cannot store {n} {shapes[n]}: {errors[e.label, n]}")
+    for n, shape in shapes.items():
+        if all((e.label, n) in errors for e in lin):
+            raise QRecoverError(f"no encoding of {[e.label for e in lin]} can store {n} {shape} (e.g. {lin[0].label!r}: "
+                                f"{errors[lin[0].label, n]})")
 
 
 # --- compress -------------------------------------------------------------------------------------------
@@ -136,7 +148,8 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
                             "allow others with --embedding-encodings")
     for t in transforms_of(lin_encs + emb_encs):
         get_transform(t).check(model)
-    units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": lin_encs} for n, m in linears.items()}
+    units: dict[str, dict[str, Any]] = {n: {"kind": "linear", "module": m, "cands": [e for e in lin_encs if _fits(e, tuple(m.weight.shape))]}
+                                        for n, m in linears.items()}
     units[emb_name] = {"kind": "embedding", "module": emb, "cands": emb_encs, "tied": tied}
     untied_head = head is not None and not tied
     if untied_head:
@@ -213,16 +226,18 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         _check_budget_early(cfg, lin_encs, emb_encs)
         prepared = prepare(cfg, show_progress, lazy=lazy)
     p = prepared
-    have_lin = p.units[next(n for n, u in p.units.items() if u["kind"] == "linear")]["cands"]
+    have_lin = list(dict.fromkeys(e for u in p.units.values() if u["kind"] == "linear" for e in u["cands"]))
+    lin_shapes = {tuple(u["module"].weight.shape) for u in p.units.values() if u["kind"] == "linear"}
+    want_lin = [e for e in lin_encs if any(_fits(e, shape) for shape in lin_shapes)]  # a preset's misfits dropped
     emb_unit = next(u for u in p.units.values() if u["kind"] == "embedding")
     emb_shape = tuple(emb_unit["module"].weight.shape)
     emb_want = [e for e in emb_encs if _fits(e, emb_shape)]
-    if (any(getattr(cfg, k) != getattr(p.cfg, k) for k in _SAME) or any(e not in have_lin for e in lin_encs)
+    if (any(getattr(cfg, k) != getattr(p.cfg, k) for k in _SAME) or any(e not in have_lin for e in want_lin)
             or any(e not in emb_unit["cands"] for e in emb_want)):
         raise QRecoverError(
             f"the prepared candidates were made with {({k: getattr(p.cfg, k) for k in _SAME})}, linear "
             f"{[e.label for e in have_lin]}, embedding {[e.label for e in emb_unit['cands']]}; this config asks for "
-            f"{({k: getattr(cfg, k) for k in _SAME})}, linear {[e.label for e in lin_encs]}, embedding "
+            f"{({k: getattr(cfg, k) for k in _SAME})}, linear {[e.label for e in want_lin]}, embedding "
             f"{[e.label for e in emb_want]}: prepare again"
         )
     if any(u["results"][0] is DEFERRED for u in p.units.values()) and (cfg.bpw is not None or not cfg.finalize):
@@ -375,7 +390,8 @@ def _check_budget_early(cfg: CompressConfig, lin_encs: list[Encoding], emb_encs:
     if not emb_cands:
         raise QRecoverError(f"no embedding encoding of {[e.label for e in emb_encs]} fits shape {tuple(emb.weight.shape)}; "
                             "allow others with --embedding-encodings")
-    sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in lin_encs] for m in lin.values()]
+    sizes = [[c.quantizer.nbytes(tuple(m.weight.shape), c.bits) for c in lin_encs if _fits(c, tuple(m.weight.shape))]
+             for m in lin.values()]
     n_lin = sum(m.weight.numel() for m in lin.values())
     if cfg.scope == "model":
         n_all = count_parameters(model)

@@ -378,6 +378,9 @@ def test_finalize_sees_quantized_inputs(tiny_model_dir):
 def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
     assert parse_encodings("mixed-awq") == parse_encodings(PRESETS["mixed-awq"])
+    blocks = parse_encodings("afm-blocks")
+    assert [(e.bits, e.params["block_size"], e.params["refit"]) for e in blocks] == [
+        (2, None, 2), (3, None, 2), (4, None, 2), (2, 192, 2), (3, 192, 2), (4, 192, 2)]
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):
@@ -495,6 +498,31 @@ def test_mixed_encodings_real_budget(tiny_model_dir, mixed_prepared, tmp_path):
     with pytest.raises(QRecoverError, match="prepared candidates"):
         compress(_cfg(tiny_model_dir, bpw=4.6, encodings="blockwise:4/b32/asym"), prepared=mixed_prepared,
                  show_progress=False, out=None)
+
+
+def test_menu_encodings_may_fit_some_layers_only(tiny_model_dir, counted, tmp_path):
+    """Tables per 128 columns fit only down_proj (128 input columns; the others have 64): it is a candidate there
+    and nowhere else, and the allocation runs. A spec that fits no layer, or a menu with nothing for some layer,
+    is refused before any work."""
+    cfg = dict(bpw=2.6, scope="linear", embedding_encodings="blockwise:4/b32/asym", finalize=False)
+    r = compress(_cfg(tiny_model_dir, encodings="palettize:2,palettize:3,palettize:2/b128", **cfg), show_progress=False, out=None)
+    table = r["sensitivity"]["table"]
+    for n, v in r["layers"].items():
+        if v["kind"] != "linear":
+            continue
+        want = {"palettize:2", "palettize:3"} | ({"palettize:2/b128"} if n.endswith("down_proj") else set())
+        assert set(table[n]) == want, n
+    assert all(v["label"] != "palettize:2/b128" or n.endswith("down_proj") for n, v in r["layers"].items())
+    counted.update(xtx=0, gradients=0)
+    with pytest.raises(QRecoverError, match=r"encoding 'palettize:2/b96' cannot store .*block_size=96"):
+        compress(_cfg(tiny_model_dir, encodings="palettize:2,palettize:2/b96", **cfg), out=tmp_path / "x", show_progress=False)
+    with pytest.raises(QRecoverError, match=r"no encoding of \['palettize:2/b128'\] can store model.layers.0.self_attn.q_proj"):
+        compress(_cfg(tiny_model_dir, encodings="palettize:2/b128", **cfg), out=tmp_path / "x", show_progress=False)
+    assert counted == {"xtx": 0, "gradients": 0} and not (tmp_path / "x").exists()
+    # a preset serves every width: its encodings that fit no layer here (tables per 192 columns) are dropped
+    r = compress(_cfg(tiny_model_dir, encodings="afm-blocks", **cfg), show_progress=False, out=None)
+    assert {lab for t in r["sensitivity"]["table"].values() for lab in t} >= {"palettize:2/refit=2", "palettize:4/refit=2"}
+    assert not any("b192" in lab for t in r["sensitivity"]["table"].values() for lab in t)
 
 
 def test_bad_specs_fail_before_work(tiny_model_dir, counted, tmp_path):

@@ -38,17 +38,22 @@ from ..schemes.base import _REGISTRY
 from ..transforms import transform_names
 
 GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym, "
-           "or a preset name (afm, mixed, mixed-awq)")
+           "or a preset name (afm, afm-blocks, mixed, mixed-awq)")
 
 #: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
 #: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is the default (AFM's palettization);
 #: ``mixed`` adds GPTQ integer layers (every architecture; the best on the worst held-out domain); ``mixed-awq``
 #: also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): the lowest perplexity on the calibration
-#: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones.
+#: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones. ``afm-blocks``:
+#: palettization only, whole-row tables and tables per 192 input columns (on layers whose width 192 divides; the
+#: others choose among the whole-row ones), each with two least-squares table refits: the best measured menu,
+#: on the calibration domain and on the worst held-out one. Core ML export takes whole-row tables only (``afm``).
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
     "mixed-awq": "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64",
+    "afm-blocks": "palettize:2/refit=2,palettize:3/refit=2,palettize:4/refit=2,palettize:2/b192/refit=2,palettize:3/b192/refit=2,"
+                  "palettize:4/b192/refit=2",
 }
 
 _SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
@@ -65,6 +70,7 @@ class Encoding:
     params_json: str  # every config field, JSON with sorted keys (hashable)
     bits: int
     transforms: tuple[str, ...] = ()
+    optional: bool = field(default=False, compare=False)  # from a preset: dropped silently where it fits no layer
 
     @property
     def params(self) -> dict[str, Any]:
@@ -156,12 +162,12 @@ def parse_params(items: list[str], what: str = "--scheme-param") -> dict[str, An
 def parse_encodings(text: str, defaults: dict[str, Any] | None = None, what: str = "--encodings") -> list[Encoding]:
     """A comma-separated list of specs or :data:`PRESETS` names -> encodings (duplicates dropped, order kept). ``defaults``: parameters
     applied to every spec whose scheme has that field (``--scheme-param``); a default no spec can take is an error."""
-    parts = [q for p in text.split(",") if p.strip() for q in PRESETS.get(p.strip(), p).split(",")]
+    parts = [(q, p.strip() in PRESETS) for p in text.split(",") if p.strip() for q in PRESETS.get(p.strip(), p).split(",")]
     if not parts:
         raise QRecoverError(f"{what} {text!r} names no encoding; write {GRAMMAR}")
     out: list[Encoding] = []
-    for p in parts:
-        e = parse_encoding(p, defaults, what)
+    for p, preset in parts:
+        e = dataclasses.replace(parse_encoding(p, defaults, what), optional=preset)
         if e not in out:
             out.append(e)
     for k in defaults or {}:
