@@ -91,7 +91,8 @@ def test_default_mix_loads():
 
 
 @pytest.mark.parametrize("recipe, message", [
-    ({"source": [{"name": "a", "kind": "builtin", "weight": 1, "pth": "x"}]}, "unknown key 'pth'; allowed keys: name, kind, weight, split, max_documents"),
+    ({"source": [{"name": "a", "kind": "builtin", "weight": 1, "pth": "x"}]}, "unknown key 'pth'; allowed keys: name, kind, weight, split, "
+     "max_documents"),
     ({"source": [{"name": "a", "kind": "text", "weight": 1, "path": "x", "samples": 3}]},
      "unknown key 'samples'; allowed keys: name, kind, weight, path, split"),
     ({"sources": []}, "unknown top-level key(s) ['sources']"),
