@@ -5,6 +5,7 @@ scores checkpoints, next to the unquantized model, on that split and on the held
 :mod:`qrecover.recovery.heldout` (shakespeare, gsm8k, mmlu), and reports each ratio to the original and the worst.
 
     python benchmarks/heldout.py benchmarks/out/schemes-work/{default-3.7,mixed-3.7,mixed-awq-3.7} --out reports/schemes-heldout.md
+    python benchmarks/heldout.py benchmarks/out/schemes-work/blocks-3.7 --out reports/schemes-heldout.md --append
 
 One process, one checkpoint at a time; set OMP_NUM_THREADS for its threads.
 """
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("checkpoints", nargs="+", type=Path, help="qrecover checkpoint directories")
     ap.add_argument("--windows", type=int, default=8, help="512-token windows per held-out domain")
     ap.add_argument("--out", type=Path, required=True, help="markdown report (a .json with the same stem beside it)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out's .json (same windows) and add or replace these checkpoints' rows")
     args = ap.parse_args()
 
     import qrecover
@@ -36,9 +39,17 @@ def main() -> None:
     model, tok, _ = load_model(None)
     texts = domain_windows(tok, args.windows)  # tokenized once, scored for every model
     domains = [d for d in texts if d != "python-docs"]
-    rows = [{"name": "original", "bpw": None, "ppl": domain_ppl(model.eval(), texts)}]
+    old = args.out.with_suffix(".json")
+    if args.append and old.exists():
+        kept = json.loads(old.read_text())
+        if kept["windows"] != args.windows:
+            raise SystemExit(f"--append: {old} was scored on {kept['windows']} windows per domain, not {args.windows}")
+        names = {ck.name for ck in args.checkpoints}
+        rows = [r for r in kept["rows"] if r["name"] not in names]
+    else:
+        rows = [{"name": "original", "bpw": None, "ppl": domain_ppl(model.eval(), texts)}]
+        print(json.dumps(rows[-1]), flush=True)
     del model
-    print(json.dumps(rows[-1]), flush=True)
     for ck in args.checkpoints:
         model = qrecover.load(ck)
         m = model.qrecover_manifest

@@ -17,14 +17,15 @@ class CompressConfig(DictConfig):
     model: str | None = doc_field(None, "Hugging Face causal-LM directory or .gguf file; None = the built-in default model")
     bpw: float | None = doc_field(3.7, "bits-per-weight budget, measured from packed bytes; None = uniform at the single width in `bits`")
     scope: str = doc_field("model", "what the budget counts: 'model' (every weight, embedding included) or 'linear' (decoder linear layers only)")
-    bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers", )
-    scheme: str = doc_field("palettize", "quantizer for the decoder linear layers (a registered scheme name)")
+    bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers (with `scheme`; None: 2, 3, 4)", )
+    scheme: str = doc_field(None, "quantizer for the decoder linear layers (a registered scheme name; None: palettize)")
     scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
     embedding_bits: str = doc_field("auto", "shorthand for embedding_encodings: 'auto' (the allocator picks among 4-bit row-wise blocks of "
                                             "128/64/32, 8-bit per-channel, 3- and 2-bit blocks of 32 and 4/3-bit per-row look-up tables), 'legacy' "
                                             "(the first four only), '4' or '8'")
     encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' "
-                                            "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`")
+                                            "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`, "
+                                            "or, when neither is given, the default menu (stages.specs.DEFAULT_ENCODINGS, 'afm-blocks')")
     embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. "
                                                       "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
     finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "
@@ -44,6 +45,12 @@ class CompressConfig(DictConfig):
     seed: int = doc_field(0, "random seed (the pipeline is deterministic; recorded for provenance)")
 
     def __post_init__(self) -> None:
+        if self.encodings is None and self.scheme is None and self.bits is None:
+            from .stages.specs import DEFAULT_ENCODINGS
+
+            self.encodings = DEFAULT_ENCODINGS
+        if self.scheme is None:
+            self.scheme = "palettize"
         if self.bits is None:
             self.bits = [2, 3, 4]
         if self.scheme_params is None:

@@ -69,7 +69,7 @@ def cli_ckpt(tiny_model_dir, tmp_path_factory):
     with contextlib.redirect_stdout(buf):
         try:
             main(["compress", "--model", str(tiny_model_dir), "--bpw", "5", "--calib-samples", "2", "--seq-len", "64",
-                  "--out", str(out), "--json"])
+                  "--bits", "2,3,4", "--out", str(out), "--json"])  # the tiny_ckpt fixture's menu
             code = 0
         except SystemExit as e:
             code = e.code or 0
@@ -305,7 +305,8 @@ def test_compress_help_lists_spec_options(capsys):
     (["--encodings", "palettize:4/g7"], ["'palettize:4/g7'", "group_size=7", "divide"]),
     (["--embedding-encodings", "blockwise:4/zz"], ["--embedding-encodings", "'blockwise:4/zz'", "option 'zz'"]),
     (["--scheme-param", "group_size"], ["--scheme-param 'group_size' must be KEY=VALUE"]),
-    (["--scheme-param", "nonsense=1"], ["'palettize'", "no parameter(s) ['nonsense']"]),
+    (["--bits", "2,3", "--scheme-param", "nonsense=1"], ["'palettize'", "no parameter(s) ['nonsense']"]),
+    (["--scheme-param", "nonsense=1"], ["--scheme-param nonsense", "'afm-blocks'", "drop it"]),
     (["--device", "tpu"], ["--device 'tpu'", "cpu, cuda"]),
 ])
 def test_bad_spec_exit_2(args, needles, tiny_model_dir, tmp_path, capsys):

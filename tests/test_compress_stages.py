@@ -435,16 +435,16 @@ OLD_DAMAGE_4_6 = 0.00020060519669903653
 
 def test_old_default_path_same_choices(tiny_model_dir, tiny_prepared):
     m = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, embedding_bits="legacy",
-                                finalize=False), prepared=tiny_prepared, show_progress=False, out=None)
+                                finalize=False, bits=[2, 3, 4]), prepared=tiny_prepared, show_progress=False, out=None)
     assert {n: v["label"] for n, v in m["layers"].items()} == OLD_CHOICES_4_6
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(OLD_DAMAGE_4_6, rel=1e-6)
     assert m["finalize"] == {"enabled": False}
 
 
 def test_finalize_keeps_choices_and_bytes(tiny_model_dir, tiny_prepared, tmp_path):
-    a = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False),
+    a = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False, bits=[2, 3, 4]),
                  prepared=tiny_prepared, show_progress=False, out=tmp_path / "a")
-    b = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64),
+    b = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, bits=[2, 3, 4]),
                  prepared=tiny_prepared, show_progress=False, out=tmp_path / "b")
     assert b["finalize"]["enabled"] and set(b["finalize"]["damage"]) == {n for n, v in b["layers"].items() if v["kind"] == "linear"}
     assert {n: v["label"] for n, v in a["layers"].items()} == {n: v["label"] for n, v in b["layers"].items()}

@@ -28,7 +28,9 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
 
-  qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers (best on held-out text)
+  qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers
+
+  qrecover compress --bpw 3.7 --encodings afm        # whole-row tables only (AFM's format; Core ML export)
 
 Encoding specs: SCHEME:BITS, then optional /OPTION parts and an optional TRANSFORM+ prefix; OPTION is gN (group_size=N), bN (block_size=N),
 pc (per channel), sym, asym, key=value (any field of the scheme's config); e.g. gptq:4/g64/sym,
@@ -36,9 +38,9 @@ awq+gptq:3/g128, palettize:3/g1 (one table per row). A transform (awq+...) is mo
 every candidate then quantizes the transformed weights.
 
 Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
-(palettize:2,3,4, the default), afm-blocks (palettize:2,3,4 with whole-row tables and tables per 192 columns, each
-refitted twice: the best measured, on the calibration domain and on held-out text; not Core ML), mixed (afm + gptq:3/g64,
-gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; good on the
+(palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (the default:
+palettize:2,3,4 with whole-row tables and tables per 192 columns, each refitted twice; the best measured, on the
+calibration domain and on held-out text), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; good on the
 calibration domain only). They mix with specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some
 layers (a block width that does not divide every layer's columns) is offered to those layers only.
 """
@@ -50,10 +52,13 @@ def compress(
     uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits (the same as giving one "
                                                           "--bits width and no --bpw)."),
     model: Optional[str] = ModelArg,
-    bits: str = typer.Option("2,3,4", "--bits", help="Candidate widths for the decoder linear layers, e.g. 2,4 (AFM) or 2,3,4."),
+    bits: Optional[str] = typer.Option(None, "--bits", help="Candidate widths for the decoder linear layers with --scheme, e.g. 2,4 (AFM) or "
+                                                            "2,3,4 (the default with --scheme). Without --bits, --scheme and --encodings: the "
+                                                            "default menu, afm-blocks."),
     scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
-    scheme: str = typer.Option("palettize", "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...); with "
-                                                             "--bits, shorthand for --encodings SCHEME:B1,SCHEME:B2,..."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...; "
+                                                                "palettize with --bits alone); with --bits, shorthand for --encodings "
+                                                                "SCHEME:B1,SCHEME:B2,..."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per "
                                                                         "scale (default 64)."),
@@ -96,8 +101,10 @@ def compress(
     from ..stages.specs import parse_params
 
     params.update(parse_params(scheme_param or []))
-    widths = parse_ints(bits, "--bits")
-    if uniform or (bpw is None and (len(widths) == 1 if not encodings else len([e for e in encodings.split(",") if e.strip()]) == 1)):
+    widths = parse_ints(bits, "--bits") if bits is not None else None
+    n_encodings = (len([e for e in encodings.split(",") if e.strip()]) if encodings
+                   else len(widths) if widths is not None else 3 if scheme is not None else 0)
+    if uniform or (bpw is None and n_encodings == 1):
         if bpw is not None:
             raise QRecoverError(f"--uniform and --bpw {bpw} contradict each other; drop one")
         target = None

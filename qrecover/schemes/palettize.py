@@ -163,7 +163,7 @@ class Palettize(Quantizer):
         # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
         luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
         if self.config.error_feedback and "hessian" in stats:
-            h = stats["hessian"]
+            h, weight = stats["hessian"], weight.detach()
             all_codes = self._assign_with_feedback(weight, h, luts, g, c)
             if self.config.refit:
                 # reassigning with refitted tables usually lowers the error further but need not: keep each width's best
@@ -252,6 +252,7 @@ def refit_tables(weight: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor, h
     weight ``(O, I)``, codes ``(O, I)``, lut ``(O/g * I/c, K)`` (row-major ``(O/g, I/c)``, as stored).
     Returns ``(lut, codes)``: fp16 tables sorted ascending again and the codes renumbered to match.
     """
+    weight = weight.detach()
     out_f, in_f = weight.shape
     k, nb, ng = lut.shape[1], in_f // c, out_f // g
     h = hessian.to(device=weight.device, dtype=torch.float32)
@@ -291,7 +292,7 @@ def _output_error(weight: torch.Tensor, lut: torch.Tensor, codes: torch.Tensor, 
     out_f, in_f = weight.shape
     k = lut.shape[1]
     rows = lut.float().view(out_f // g, in_f // c, k).repeat_interleave(g, dim=0)
-    e = weight.float() - rows.gather(2, codes.view(out_f, in_f // c, c)).view(out_f, in_f)
+    e = weight.detach().float() - rows.gather(2, codes.view(out_f, in_f // c, c)).view(out_f, in_f)
     return float((e @ hessian.to(device=e.device, dtype=torch.float32) * e).sum())
 
 

@@ -56,6 +56,10 @@ PRESETS = {
                   "palettize:4/b192/refit=2",
 }
 
+#: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given (until 2026-11:
+#: ``afm``, which configurations written then name explicitly as ``scheme``/``bits``).
+DEFAULT_ENCODINGS = "afm-blocks"
+
 _SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
 _SPEC_RE = re.compile(r"^(?:(?P<tf>[A-Za-z_][\w-]*(?:\+[A-Za-z_][\w-]*)*)\+)?(?P<scheme>[A-Za-z_][\w-]*):(?P<bits>[^/]*)(?P<opts>(?:/[^/]*)*)$")
 
