@@ -41,8 +41,9 @@ Presets for --encodings (measured at --bpw 3.7 on the default model, reports/sch
 (palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (the default:
 palettize:2,3,4 with whole-row tables and tables per 192 columns, each refitted twice; the best measured, on the
 calibration domain and on held-out text), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64,
-palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some
-layers (a block width that does not divide every layer's columns) is offered to those layers only.
+palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with
+specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
+every layer's columns) is offered to those layers only.
 """
 
 
