@@ -149,7 +149,7 @@ def encodings_label(r: dict) -> str:
     """What a row compresses with, as a user would write it (its --scheme-param values included)."""
     if r["kind"] == "llmc":
         return f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym"
-    enc = r.get("encodings") or "default (palettize:2,3,4)"
+    enc = r.get("encodings") or "afm (palettize:2,3,4; the default until 2026-11)"
     return (enc + "".join(f" --scheme-param {p}" for p in r.get("scheme_params", ()))
             + (f" --calib-data {r['calib_data']}" if r.get("calib_data") else ""))
 
@@ -264,8 +264,8 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
                             "--device", "cpu", "--embedding-bits", "8" if s.get("embedding") is None else s["embedding"]]
     if model is not None:
         cmd += ["--model", str(model)]
-    if s.get("encodings"):
-        cmd += ["--encodings", s["encodings"]]
+    # rows without encodings ("default-3.7", ...) were measured on the default of their time, AFM's menu: keep it
+    cmd += ["--encodings", s.get("encodings") or "afm"]
     if s.get("bpw") is not None:
         cmd += ["--bpw", str(s["bpw"])]
     for p in s.get("scheme_params", []):

@@ -453,7 +453,7 @@ def test_finalize_keeps_choices_and_bytes(tiny_model_dir, tiny_prepared, tmp_pat
     ma, mb = qrecover.load(tmp_path / "a"), qrecover.load(tmp_path / "b")
     assert any(not torch.equal(ma.get_submodule(n).dequantize(), mb.get_submodule(n).dequantize()) for n in lin)
     # the prepared model was restored: a second no-finalize run gives the same bytes
-    c = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False),
+    c = compress(CompressConfig(model=str(tiny_model_dir), bpw=4.6, calib_samples=2, seq_len=64, finalize=False, bits=[2, 3, 4]),
                  prepared=tiny_prepared, show_progress=False, out=tmp_path / "c")
     assert c["weights_file"]["sha256"] == a["weights_file"]["sha256"]
 
