@@ -148,7 +148,7 @@ EMBEDDING_MENU = "v2: blockwise 4/b128 4/b64 4/b32 8 3/b32 2/b32, palettize 4/g1
 def encodings_label(r: dict) -> str:
     """What a row compresses with, as a user would write it (its --scheme-param values included)."""
     if r["kind"] == "llmc":
-        return f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym"
+        return f"llm-compressor {r['method']} w{r['bits']} g{r['group']} asym" + (f" actorder={r['actorder']}" if r.get("actorder") else "")
     enc = r.get("encodings") or "afm (palettize:2,3,4; the default until 2026-11)"
     return (enc + "".join(f" --scheme-param {p}" for p in r.get("scheme_params", ()))
             + (f" --calib-data {r['calib_data']}" if r.get("calib_data") else ""))
