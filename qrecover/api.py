@@ -17,13 +17,14 @@ from ._version import __version__
 from .allocate import Choice
 from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
-from .data import calibration_windows, token_windows
+from .data import token_windows
 from .errors import QRecoverError
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
 from .progress import progress
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
+from .recovery.mix import calibration_windows
 from .sensitivity import METHOD, linear_damage
 from .stages.allocation import Budget, Infeasible, choose
 from .stages.calibrate import gradients, layer_pass, plan_stats

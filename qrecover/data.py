@@ -6,7 +6,7 @@ decided by a hash of its path: ``eval`` (10%), ``calib`` (10%), ``train`` (80%).
 split are ordered by that hash too, so any prefix is a deterministic, topic-diverse sample.
 
 A source can also be a directory, a file or a glob of text files (``--calib-data``); those are split
-the same way. Calibration can also read a data-mix recipe (:func:`calibration_windows`).
+the same way. Calibration can also read a data-mix recipe (:func:`qrecover.recovery.mix.calibration_windows`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import glob
 import hashlib
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -101,31 +100,3 @@ def token_windows(tokenizer, source: str, split: str, n: int, seq_len: int) -> t
     body = token_stream(tokenizer, documents(source, split), n * (seq_len - 1)).view(n, seq_len - 1)
     return torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), body], dim=1)
 
-
-def is_mix(source: str) -> bool:
-    """Whether a calibration source names a data-mix recipe (a ``.toml`` file, or a shipped recipe such as
-    ``calib-mix``) rather than text."""
-    if str(source).endswith(".toml"):
-        return True
-    if Path(source).exists():
-        return False
-    from .recipes import shipped_names
-
-    return str(source).endswith("-mix") and str(source) in shipped_names()
-
-
-def calibration_windows(tokenizer, source: str, n: int, seq_len: int, model: Any = None,
-                        show_progress: bool = False) -> torch.Tensor:
-    """``(n, seq_len)`` calibration windows of ``source``: a text source's ``calib`` split
-    (:func:`token_windows`), or the first ``n`` packed sequences of a data-mix recipe
-    (:mod:`qrecover.recovery.mix`: each source in its token share, chats with their template, decontaminated
-    against the evaluation sets). ``model``: the unquantized model (spec or module) that writes a recipe's
-    ``selfgen`` chats (cached by its weights; None = the built-in default)."""
-    if not is_mix(source):
-        return token_windows(tokenizer, source, "calib", n, seq_len)
-    from .recipes import shipped_path
-    from .recovery.mix import MixLoader
-
-    recipe = source if str(source).endswith(".toml") else shipped_path(source)
-    loader = MixLoader(recipe, tokenizer, seq_len, n * seq_len, decontaminate=True, model=model, show_progress=show_progress)
-    return torch.stack([s["input_ids"] for s in loader])

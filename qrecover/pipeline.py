@@ -307,7 +307,7 @@ def find_recipe(spec: str | os.PathLike) -> tuple[Path, bool]:
     path = Path(spec).expanduser()
     if path.is_file():
         return path, is_shipped(path)
-    recipes = [n for n in shipped_names() if n != DEFAULT_MIX]  # the other shipped file is a data mix
+    recipes = [n for n in shipped_names() if not n.endswith("-mix")]  # the other shipped files are data mixes
     if str(spec).removesuffix(".toml") in recipes:
         return shipped_path(str(spec)), True
     raise QRecoverError(f"recipe {str(spec)!r} does not exist and is not a shipped recipe (shipped: {', '.join(recipes)}); "

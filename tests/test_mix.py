@@ -462,7 +462,8 @@ def test_calibration_windows_from_a_mix(tmp_path, tiny_model_dir):
     the calib split."""
     from transformers import AutoTokenizer
 
-    from qrecover.data import calibration_windows, is_mix, token_windows
+    from qrecover.data import token_windows
+    from qrecover.recovery.mix import calibration_windows, is_mix
 
     recipe = _two_source_recipe(tmp_path)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -53,7 +53,7 @@ def test_pyproject_declares_the_package_data():
 
 
 def test_unknown_shipped_name_is_refused():
-    with pytest.raises(QRecoverError, match=r"'nope' is not a shipped recipe; shipped: default-mix, table10"):
+    with pytest.raises(QRecoverError, match=r"'nope' is not a shipped recipe; shipped: calib-mix, default-mix, table10"):
         shipped_path("nope")
     with pytest.raises(QRecoverError, match="not a shipped recipe"):
         shipped_path("../pipeline.py")

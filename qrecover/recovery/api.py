@@ -32,7 +32,7 @@ import torch
 
 from ..api import load
 from ..checkpoint import read_manifest, source_model_spec
-from ..data import calibration_windows, is_mix, token_windows
+from ..data import token_windows
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
@@ -40,7 +40,7 @@ from ..recipes import DEFAULT_MIX, shipped_path
 from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, load_adapter, quantized_targets, save_adapter
-from .mix import Mix, MixLoader, load_mix, single_source_mix
+from .mix import Mix, MixLoader, calibration_windows, is_mix, load_mix, single_source_mix
 from .rank_alloc import damage_ranks
 from .shards import ShardLoader, check_tokenizer, is_prepared
 from .shards import read_manifest as read_data_manifest

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import SPLITS, source_files
+from ..data import SPLITS, source_files, token_windows
 from ..errors import QRecoverError
 from ..fields import doc_field
 from ..io_utils import cache_dir, read_toml, sha256_file, toml_value, write_text_atomic
@@ -682,5 +682,35 @@ class MixLoader:
                 c._docs.close()
 
 
+
+
+def is_mix(source: str) -> bool:
+    """Whether a calibration source names a data-mix recipe (a ``.toml`` file, or a shipped recipe such as
+    ``calib-mix``) rather than text."""
+    if str(source).endswith(".toml"):
+        return True
+    if Path(source).exists():
+        return False
+    from ..recipes import shipped_names
+
+    return str(source).endswith("-mix") and str(source) in shipped_names()
+
+
+def calibration_windows(tokenizer, source: str, n: int, seq_len: int, model: Any = None,
+                        show_progress: bool = False) -> torch.Tensor:
+    """``(n, seq_len)`` calibration windows of ``source``: a text source's ``calib`` split
+    (:func:`qrecover.data.token_windows`), or the first ``n`` packed sequences of a data-mix recipe
+    (this module's :class:`MixLoader`: each source in its token share, chats with their template, decontaminated
+    against the evaluation sets). ``model``: the unquantized model (spec or module) that writes a recipe's
+    ``selfgen`` chats (cached by its weights; None = the built-in default)."""
+    if not is_mix(source):
+        return token_windows(tokenizer, source, "calib", n, seq_len)
+    from ..recipes import shipped_path
+
+    recipe = source if str(source).endswith(".toml") else shipped_path(source)
+    loader = MixLoader(recipe, tokenizer, seq_len, n * seq_len, decontaminate=True, model=model, show_progress=show_progress)
+    return torch.stack([s["input_ids"] for s in loader])
+
+
 __all__ = ["KINDS", "KIND_KEYS", "Source", "Mix", "load_mix", "single_source_mix", "MixLoader", "apportion",
-           "encode_document", "text_docs", "split_files", "tokenizer_fingerprint"]
+           "encode_document", "text_docs", "split_files", "tokenizer_fingerprint", "is_mix", "calibration_windows"]
