@@ -99,4 +99,3 @@ def token_windows(tokenizer, source: str, split: str, n: int, seq_len: int) -> t
         raise QRecoverError(f"seq_len={seq_len}: windows that start with BOS need at least 2 tokens")
     body = token_stream(tokenizer, documents(source, split), n * (seq_len - 1)).view(n, seq_len - 1)
     return torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), body], dim=1)
-

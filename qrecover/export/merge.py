@@ -32,7 +32,7 @@ from ..errors import QRecoverError
 from ..models import load_model
 from ..qlinear import QuantLinear
 from ..recovery.lora import lora_modules
-from ..recovery.mix import calibration_windows as text_calibration_windows
+from ..recovery.mix import calibration_windows as source_windows
 from ..recovery.peft_quant import merge_and_unload
 from ..reports.agreement import KLProbe
 from .common import Checkpoint
@@ -46,8 +46,8 @@ def calibration_windows(ckpt: Checkpoint, tokenizer: Any, n: int) -> torch.Tenso
     if n < 1:
         raise QRecoverError(f"--merge-windows {n}: the merge needs at least 1 calibration window (default 8)")
     cal = ckpt.manifest.get("calibration") or {}
-    return text_calibration_windows(tokenizer, cal.get("source", "python-docs"), n, int(cal.get("seq_len", 512)),
-                                    model=source_model_spec(ckpt.manifest))
+    return source_windows(tokenizer, cal.get("source", "python-docs"), n, int(cal.get("seq_len", 512)),
+                          model=source_model_spec(ckpt.manifest))
 
 
 def reference_model(ckpt: Checkpoint) -> tuple[nn.Module | None, str]:

@@ -32,7 +32,6 @@ import torch
 
 from ..api import load
 from ..checkpoint import read_manifest, source_model_spec
-from ..data import token_windows
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
@@ -40,7 +39,7 @@ from ..recipes import DEFAULT_MIX, shipped_path
 from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, load_adapter, quantized_targets, save_adapter
-from .mix import Mix, MixLoader, calibration_windows, is_mix, load_mix, single_source_mix
+from .mix import Mix, MixLoader, calibration_windows, load_mix, single_source_mix
 from .rank_alloc import damage_ranks
 from .shards import ShardLoader, check_tokenizer, is_prepared
 from .shards import read_manifest as read_data_manifest
@@ -171,8 +170,7 @@ def _calibration_windows(tokenizer: Any, manifest: dict[str, Any]) -> tuple[dict
     ``calib``), whose teacher inputs weight the 'svd' initialisation and the rank allocation."""
     calib = manifest.get("calibration") or {}
     source, split = calib.get("source", "python-docs"), calib.get("split", "calib")
-    windows = (calibration_windows(tokenizer, source, INIT_WINDOWS, 512, model=source_model_spec(manifest)) if is_mix(source)
-               else token_windows(tokenizer, source, split, INIT_WINDOWS, 512))
+    windows = calibration_windows(tokenizer, source, INIT_WINDOWS, 512, model=source_model_spec(manifest))
     return {"source": source, "split": split, "tokens": int(windows.numel())}, windows
 
 

@@ -682,8 +682,6 @@ class MixLoader:
                 c._docs.close()
 
 
-
-
 def is_mix(source: str) -> bool:
     """Whether a calibration source names a data-mix recipe (a ``.toml`` file, or a shipped recipe such as
     ``calib-mix``) rather than text."""

@@ -41,13 +41,14 @@ GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asy
            "or a preset name (afm, afm-blocks, mixed, mixed-awq)")
 
 #: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
-#: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is the default (AFM's palettization);
+#: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is AFM's palettization (whole-row tables;
+#: the default until 2026-11, and the only palettization Core ML export takes);
 #: ``mixed`` adds GPTQ integer layers (every architecture; the best on the worst held-out domain); ``mixed-awq``
 #: also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): the lowest perplexity on the calibration
 #: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones. ``afm-blocks``:
 #: palettization only, whole-row tables and tables per 192 input columns (on layers whose width 192 divides; the
 #: others choose among the whole-row ones), each with two least-squares table refits: the best measured menu,
-#: on the calibration domain and on the worst held-out one. Core ML export takes whole-row tables only (``afm``).
+#: on the calibration domain and on the worst held-out one: the default (:data:`DEFAULT_ENCODINGS`).
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
