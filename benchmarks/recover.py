@@ -65,8 +65,11 @@ from qrecover.recovery.train import peak_memory_bytes  # noqa: E402
 TEXTS = (*HELD_OUT, "alpaca_eval", "python-docs")  # scored for every row; the worst is taken over HELD_OUT
 
 
+_PREPARED: list = []  # the one calibration (api.prepare), kept for the equal-size references made after the rows
+
+
 def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
-    """One calibration, one checkpoint per budget; reused when a checkpoint with the same config exists."""
+    """One calibration per process, one checkpoint per budget; reused when a checkpoint with the same config exists."""
     paths, todo = {}, []
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
@@ -77,12 +80,11 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
         else:
             todo.append((bpw, d, cfg))
     if todo:
-        prep = api.prepare(CompressConfig(bpw=todo[0][0]))
+        if not _PREPARED:
+            _PREPARED.append(api.prepare(CompressConfig(bpw=todo[0][0])))
         for bpw, d, cfg in todo:
-            api.compress(cfg, out=d, overwrite=True, prepared=prep)
+            api.compress(cfg, out=d, overwrite=True, prepared=_PREPARED[0])
             paths[bpw] = d
-        del prep
-        gc.collect()
     return paths
 
 
