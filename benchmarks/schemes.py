@@ -67,20 +67,20 @@ CACHE = ROOT / "benchmarks" / "out" / "schemes"
 MODELS = ROOT / "benchmarks" / "out" / "models"
 MODEL_DIR = Path("~/.cache/qrecover/models/smollm2-135m-instruct").expanduser()
 LLMC_PY = os.environ.get("QRECOVER_LLMC_PYTHON", "venv-llmc/bin/python")
-MIXED = "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64"
+MIXED = "palettize:2,palettize:3,palettize:4,gptq:3/g64/act_order=false,gptq:4/g64/act_order=false"
 # The same menu on the AWQ-transformed model (the transform is model-level; its scale search optimises the first
 # encoding that names it, 3-bit g64 here, the width most linear layers get at 3.7 bpw).
 PAL_BLOCKS = "palettize:2,palettize:3,palettize:4,palettize:2/b192,palettize:3/b192,palettize:4/b192"
-MIXED_AWQ = "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64"
+MIXED_AWQ = "awq+gptq:3/g64/act_order=false,palettize:2,palettize:3,palettize:4,gptq:4/g64/act_order=false"
 
 # name -> settings. kind "qrecover": compress args; kind "llmc": llm-compressor modifier and quant args.
 # Group size 64: the default group of 128 does not divide the default model's 576 input columns (g128 rows are
 # impossible on it; 1536-column down_proj would allow it, but one group size per row keeps rows comparable).
 ROWS: dict[str, dict] = {
-    "gptq-w4g64": {"kind": "qrecover", "encodings": "gptq:4/g64/asym"},
+    "gptq-w4g64": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=false"},
     "rtn-w4g64": {"kind": "qrecover", "encodings": "blockwise:4/b64/asym"},
     "llmc-gptq-w4g64": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64},
-    "gptq-w3g64": {"kind": "qrecover", "encodings": "gptq:3/g64/asym"},
+    "gptq-w3g64": {"kind": "qrecover", "encodings": "gptq:3/g64/asym/act_order=false"},
     "rtn-w3g64": {"kind": "qrecover", "encodings": "blockwise:3/b64/asym"},
     "palettize-4": {"kind": "qrecover", "encodings": "palettize:4"},
     "palettize-3": {"kind": "qrecover", "encodings": "palettize:3"},
@@ -91,12 +91,12 @@ ROWS: dict[str, dict] = {
     "mixed-awq-3.7": {"kind": "qrecover", "encodings": MIXED_AWQ, "bpw": 3.7, "embedding": "auto"},
     "llmc-gptq-w3g64": {"kind": "llmc", "method": "gptq", "bits": 3, "group": 64},
     "awq-w4g64": {"kind": "qrecover", "encodings": "awq+blockwise:4/b64/asym"},
-    "awq+gptq-w3g64": {"kind": "qrecover", "encodings": "awq+gptq:3/g64/asym"},
+    "awq+gptq-w3g64": {"kind": "qrecover", "encodings": "awq+gptq:3/g64/asym/act_order=false"},
     "llmc-awq-w4g64": {"kind": "llmc", "method": "awq", "bits": 4, "group": 64},
-    "awq+gptq-w4g64": {"kind": "qrecover", "encodings": "awq+gptq:4/g64/asym"},
+    "awq+gptq-w4g64": {"kind": "qrecover", "encodings": "awq+gptq:4/g64/asym/act_order=false"},
     "awq-w3g64": {"kind": "qrecover", "encodings": "awq+blockwise:3/b64/asym"},
     "llmc-awq-w3g64": {"kind": "llmc", "method": "awq", "bits": 3, "group": 64},
-    "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym", "finalize_groups": "layer"},
+    "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=false", "finalize_groups": "layer"},
     "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
     "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
     "gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "gptq:3/g64/asym/act_order=true"},
@@ -112,10 +112,10 @@ ROWS: dict[str, dict] = {
 
 # Rows only for the second architectures (their 256 and 768 input columns divide 128), and the folding check.
 ARCH_ROWS: dict[str, dict] = {
-    "gptq-w4g128": {"kind": "qrecover", "encodings": "gptq:4/g128/asym"},
+    "gptq-w4g128": {"kind": "qrecover", "encodings": "gptq:4/g128/asym/act_order=false"},
     "rtn-w4g128": {"kind": "qrecover", "encodings": "blockwise:4/b128/asym"},
     "awq-w4g128": {"kind": "qrecover", "encodings": "awq+blockwise:4/b128/asym"},
-    "awq+gptq-w3g128": {"kind": "qrecover", "encodings": "awq+gptq:3/g128/asym"},
+    "awq+gptq-w3g128": {"kind": "qrecover", "encodings": "awq+gptq:3/g128/asym/act_order=false"},
     "llmc-gptq-w4g128": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 128},
     "llmc-awq-w4g128": {"kind": "llmc", "method": "awq", "bits": 4, "group": 128},
     "awq-fold-exact": {"kind": "fold", "encodings": "awq+blockwise:4/b64/asym", "heldout_windows": 8},
@@ -355,7 +355,7 @@ def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
     if s["method"] == "gptq":
         recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
-                                actorder=s.get("actorder"))]  # None: no act order, as qrecover's gptq default
+                                actorder=s.get("actorder"))]  # None: no act order (rows with act_order=false)
     else:
         recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     t = time.time()

@@ -158,13 +158,13 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
     emb_table = table["model.embed_tokens"]
     fits = {c.label for c in embedding_encodings("auto", None, True) if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
     assert set(emb_table) == fits >= {"blockwise:4/b64/asym", "blockwise:4/b32/asym", "blockwise:8/pc", "blockwise:2/b32/asym",
-                                      "palettize:3/g1/error_feedback=false", "gptq:4/g32"}
+                                      "palettize:3/g1/error_feedback=false", "gptq:4/g32/act_order=false"}
     assert "blockwise:4/b128/asym" not in emb_table
     assert all(emb_table[k] > emb_table["blockwise:8/pc"] for k in emb_table if k != "blockwise:8/pc")  # 2-4 < 8 bits
     assert emb_table["blockwise:2/b32/asym"] > emb_table["blockwise:3/b32/asym"] > emb_table["blockwise:4/b32/asym"]
     # the same integer grid as blockwise:4/b32/asym, codes chosen by GPTQ against the tied head's Hessian
-    assert emb_table["gptq:4/g32"] < 0.8 * emb_table["blockwise:4/b32/asym"]
-    assert emb_table["gptq:3/g32"] < emb_table["blockwise:3/b32/asym"]
+    assert emb_table["gptq:4/g32/act_order=false"] < 0.8 * emb_table["blockwise:4/b32/asym"]
+    assert emb_table["gptq:3/g32/act_order=false"] < emb_table["blockwise:3/b32/asym"]
     assert m["sensitivity"]["predicted_loss_increase"] == pytest.approx(sum(v["damage"] for v in layers.values()))
     assert set(m["remainder"]) == {k for k, _ in model.named_parameters() if "norm" in k}
 

@@ -217,8 +217,8 @@ EXTRA_EMBEDDING = [
     make_encoding("blockwise", 2, {"block_size": 32, "symmetric": False}, label="blockwise:2/b32/asym"),
     make_encoding("palettize", 4, {"group_size": 1, "error_feedback": False}, label="palettize:4/g1/error_feedback=false"),
     make_encoding("palettize", 3, {"group_size": 1, "error_feedback": False}, label="palettize:3/g1/error_feedback=false"),
-    make_encoding("gptq", 4, {"group_size": 32, "symmetric": False}, label="gptq:4/g32"),
-    make_encoding("gptq", 3, {"group_size": 32, "symmetric": False}, label="gptq:3/g32"),
+    make_encoding("gptq", 4, {"group_size": 32, "symmetric": False, "act_order": False}, label="gptq:4/g32/act_order=false"),
+    make_encoding("gptq", 3, {"group_size": 32, "symmetric": False, "act_order": False}, label="gptq:3/g32/act_order=false"),
 ]
 
 
