@@ -21,6 +21,7 @@ import qrecover
 import qrecover.calibrate as calib
 from qrecover.allocate import Choice
 from qrecover.api import compress, prepare
+from qrecover.checkpoint import read_packed
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
 from qrecover.models import decoder_layers, linear_layers
@@ -379,8 +380,9 @@ def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
     assert parse_encodings("mixed-awq") == parse_encodings(PRESETS["mixed-awq"])
     blocks = parse_encodings("afm-blocks")
-    assert [(e.bits, e.params["block_size"], e.params["refit"]) for e in blocks] == [
-        (2, None, 2), (3, None, 2), (4, None, 2), (2, 192, 2), (3, 192, 2), (4, 192, 2)]
+    assert [(e.bits, e.params["block_size"], e.params["block_fit"], e.params["refit"]) for e in blocks] == [
+        (2, None, "exact", 2), (3, None, "exact", 2), (4, None, "exact", 2), (2, 192, "nearest", 2), (3, 192, "nearest", 2),
+        (4, 192, "nearest", 2)]
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):
@@ -523,6 +525,22 @@ def test_menu_encodings_may_fit_some_layers_only(tiny_model_dir, counted, tmp_pa
     r = compress(_cfg(tiny_model_dir, encodings="afm-blocks", **cfg), show_progress=False, out=None)
     assert {lab for t in r["sensitivity"]["table"].values() for lab in t} >= {"palettize:2/refit=2", "palettize:4/refit=2"}
     assert not any("b192" in lab for t in r["sensitivity"]["table"].values() for lab in t)
+
+
+def test_nearest_blocks_store_each_layers_own_block(tiny_model_dir, tmp_path):
+    """``palettize:2/b64/block_fit=nearest`` on the tiny model: 32 columns per table on its 64-wide layers, 64 on
+    down_proj (128 wide); the checkpoint stores each layer's exact block and loads back to the same weights."""
+    spec = "palettize:2/b64/block_fit=nearest"
+    r = compress(_cfg(tiny_model_dir, bpw=None, encodings=spec, embedding_encodings="blockwise:8/pc", finalize=False),
+                 out=tmp_path / "c", show_progress=False)
+    lin = {n: v for n, v in r["layers"].items() if v["kind"] == "linear"}
+    assert lin and all(v["label"] == spec for v in lin.values())
+    assert {n: v["params"]["block_size"] for n, v in lin.items()} == {n: v["shape"][1] // 2 for n, v in lin.items()}
+    assert all(v["params"]["block_fit"] == "exact" for v in lin.values())
+    layers = read_packed(tmp_path / "c")[1]
+    w = layers["model.layers.0.mlp.down_proj"]
+    assert w.tensors["lut"].shape == (w.shape[0] // 16 * 2, 4)
+    assert torch.equal(w.dequantize(), get_quantizer("palettize", block_size=64).dequantize(w))
 
 
 def test_bad_specs_fail_before_work(tiny_model_dir, counted, tmp_path):

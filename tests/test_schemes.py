@@ -32,7 +32,7 @@ from qrecover.packing import pack, packed_nbytes, unpack
 from qrecover.schemes import QuantizedWeight, Quantizer, get_quantizer, quantizer_names, register_quantizer
 from qrecover.schemes import base as schemes_base
 from qrecover.schemes.base import doc_field
-from qrecover.schemes.palettize import weighted_kmeans_1d
+from qrecover.schemes.palettize import nearest_block, weighted_kmeans_1d
 
 
 def randn(*shape, seed=0):
@@ -563,6 +563,32 @@ def test_non_dividing_sizes_raise():
         get_quantizer("blockwise").nbytes((4, 96), 4)
     with pytest.raises(QRecoverError, match=r"block_size=32"):
         get_quantizer("blockwise", block_size=32).check((4, 40), 8)
+
+
+def test_palettize_nearest_block_is_the_exact_block_it_resolves_to():
+    """``block_fit='nearest'``: per layer the multiple of 32 dividing the width nearest to block_size (by ratio,
+    within a factor 2, short of the whole row; ties: the larger), stored as that exact block: the same tensors,
+    bytes and parameters as asking for that block directly."""
+    assert [nearest_block(i, 192) for i in (576, 1536, 2048, 4096, 14336, 11008, 5632, 3072, 8192)] == \
+        [192, 192, 256, 256, 224, 256, 256, 192, 256]
+    assert nearest_block(96, 64) == 32 and nearest_block(128, 64) == 64  # 32 and 96/64: log-nearest, tie -> larger
+    assert nearest_block(64, 192) is None and nearest_block(1000, 192) is None  # nothing in [96, 384] divides
+    w = randn(32, 2048, seed=5)
+    stats = {"input_sq": randn(2048, seed=6).abs() + 0.1}
+    near = get_quantizer("palettize", block_size=192, block_fit="nearest", error_feedback=False)
+    exact = get_quantizer("palettize", block_size=256, error_feedback=False)
+    a, b = near.quantize(w, 3, stats), exact.quantize(w, 3, stats)
+    assert a.params == b.params and a.params["block_size"] == 256 and a.params["block_fit"] == "exact"
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
+    assert near.nbytes((32, 2048), 3) == exact.nbytes((32, 2048), 3) == a.nbytes
+    assert a.tensors["lut"].shape == (2 * 8, 8)  # 2 row groups x 8 blocks of 256 columns
+    assert torch.equal(a.dequantize(), exact.dequantize(b))
+    with pytest.raises(QRecoverError, match=r"block_size=192 block_fit='nearest'.*\(16, 64\)'s 64 columns"):
+        near.check((16, 64), 3)
+    with pytest.raises(QRecoverError, match="needs a target block_size"):
+        get_quantizer("palettize", block_fit="nearest")
+    with pytest.raises(QRecoverError, match=r"block_fit='close' is unknown"):
+        get_quantizer("palettize", block_size=192, block_fit="close")
 
 
 # --- registry ----------------------------------------------------------------------------------------------

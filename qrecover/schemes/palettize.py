@@ -22,6 +22,8 @@ Stored tensors, for a weight ``(O, I)`` with ``G = group_size`` and ``C = block_
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,10 @@ from .feedback import error_feedback
 class PalettizeConfig:
     group_size: int = doc_field(16, "output rows that share one look-up table (AFM: 16)")
     block_size: int | None = doc_field(None, "input columns per table; None shares one table across the whole row")
+    block_fit: str = doc_field("exact", "'exact': block_size must divide the layer's input width; 'nearest': each layer uses the multiple of "
+                                        "32 dividing its width nearest to block_size (by ratio, within a factor 2; ties: the larger), "
+                                        "stored as that exact block_size (e.g. b192 gives 192 columns on 576 or 1536, 256 on 2048 or 4096, "
+                                        "224 on 14336); a layer with no such divisor does not fit")
     weighted: bool = doc_field(True, "weight the k-means objective per element (see weighting)")
     weighting: str = doc_field("input", "'input': weight E[x_j^2]**p; 'fisher': (g_i * E[x_j^2])**p with g_i the output-gradient moment "
                                         "(SqueezeLLM's diagonal Fisher; needs the backward calibration statistic out_grad_sq)")
@@ -50,6 +56,14 @@ class PalettizeConfig:
 
 
 WEIGHTINGS = ("input", "fisher")
+BLOCK_FITS = ("exact", "nearest")
+
+
+def nearest_block(in_f: int, target: int) -> int | None:
+    """The multiple of 32 that divides ``in_f`` nearest to ``target`` by ratio, within a factor 2 and short of the
+    whole row (ties: the larger, fewer table bytes); None when there is none."""
+    fits = [c for c in range(32, in_f, 32) if in_f % c == 0 and target / 2 <= c <= 2 * target]
+    return min(fits, key=lambda c: (abs(math.log(c / target)), -c), default=None)
 
 
 class SortedGroups:
@@ -120,6 +134,10 @@ class Palettize(Quantizer):
         super().__init__(config, **params)
         if self.config.weighting not in WEIGHTINGS:
             raise QRecoverError(f"palettize weighting={self.config.weighting!r} is unknown; choose from {list(WEIGHTINGS)}")
+        if self.config.block_fit not in BLOCK_FITS:
+            raise QRecoverError(f"palettize block_fit={self.config.block_fit!r} is unknown; choose from {list(BLOCK_FITS)}")
+        if self.config.block_fit == "nearest" and self.config.block_size is None:
+            raise QRecoverError("palettize block_fit='nearest' needs a target block_size, e.g. palettize:3/b192/block_fit=nearest")
         if self.config.refit < 0:
             raise QRecoverError(f"palettize refit={self.config.refit} must be 0 (k-means tables) or more (least-squares refits)")
 
@@ -132,6 +150,12 @@ class Palettize(Quantizer):
     def _geometry(self, shape: tuple[int, int]) -> tuple[int, int]:
         out_f, in_f = shape
         g, c = self.config.group_size, self.config.block_size or in_f
+        if self.config.block_fit == "nearest":
+            near = nearest_block(in_f, c)
+            if near is None:
+                raise QRecoverError(f"palettize block_size={c} block_fit='nearest': no multiple of 32 between {c // 2} and {2 * c} "
+                                    f"divides weight {tuple(shape)}'s {in_f} columns; use whole-row tables (no bN) or another bN")
+            c = near
         if out_f % g or in_f % c:
             raise QRecoverError(
                 f"palettize cannot split weight {tuple(shape)} into groups of group_size={g} rows x "
@@ -228,6 +252,14 @@ class Palettize(Quantizer):
 
         codes = error_feedback(weight.repeat(len(luts), 1), hessian, round_fn)
         return list(codes.split(out_f))
+
+    def _pack(self, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """Stored with the exact geometry: a 'nearest' block becomes the block_size this layer used, so that every
+        reader of the parameters (kernels, exporters) sees plain columns per table."""
+        if self.config.block_fit == "exact":
+            return super()._pack(bits, shape, tensors)
+        params = dataclasses.asdict(dataclasses.replace(self.config, block_size=self._geometry(shape)[1], block_fit="exact"))
+        return QuantizedWeight(self.name, bits, tuple(shape), params, tensors)
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out_f, in_f = qw.shape

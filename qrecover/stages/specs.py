@@ -46,15 +46,16 @@ GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asy
 #: ``mixed`` adds GPTQ integer layers (every architecture; the best on the worst held-out domain); ``mixed-awq``
 #: also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): the lowest perplexity on the calibration
 #: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones. ``afm-blocks``:
-#: palettization only, whole-row tables and tables per 192 input columns (on layers whose width 192 divides; the
-#: others choose among the whole-row ones), each with two least-squares table refits: the best measured menu,
+#: palettization only, whole-row tables and tables per block of about 192 input columns (``block_fit=nearest``: 192 on
+#: the default model's 576 and 1536, 256 on 2048 or 4096, 224 on 14336; a layer with no multiple of 32 within a factor
+#: 2 chooses among the whole-row ones), each with two least-squares table refits: the best measured menu,
 #: on the calibration domain and on the worst held-out one: the default (:data:`DEFAULT_ENCODINGS`).
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
     "mixed-awq": "awq+gptq:3/g64,palettize:2,palettize:3,palettize:4,gptq:4/g64",
-    "afm-blocks": "palettize:2/refit=2,palettize:3/refit=2,palettize:4/refit=2,palettize:2/b192/refit=2,palettize:3/b192/refit=2,"
-                  "palettize:4/b192/refit=2",
+    "afm-blocks": "palettize:2/refit=2,palettize:3/refit=2,palettize:4/refit=2,palettize:2/b192/block_fit=nearest/refit=2,"
+                  "palettize:3/b192/block_fit=nearest/refit=2,palettize:4/b192/block_fit=nearest/refit=2",
 }
 
 #: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given (until 2026-11:
