@@ -327,7 +327,8 @@ def linear_groups(layer: nn.Module, x: torch.Tensor, kw: dict, linears: dict[str
 
 @torch.no_grad()
 def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], linears: dict[str, nn.Module],
-                want: frozenset[str] | set[str], outputs: bool = True, hessian_dtype: torch.dtype = torch.float64
+                want: frozenset[str] | set[str], outputs: bool = True, hessian_dtype: torch.dtype = torch.float64,
+                inputs: dict[str, list[torch.Tensor]] | None = None
                 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[torch.Tensor]]:
     """Replay ``hidden`` through ``layer``, accumulating input statistics of ``linears`` (full name -> module
     inside ``layer``); returns ``(stats, outputs)``.
@@ -337,7 +338,8 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
     is the same tensor object. ``hessian (in, in)`` = mean of x x^T, ``input_sq (in,)`` = mean of x**2
     (the Hessian's diagonal when it is computed), both fp32 on the layer's device. ``outputs=False`` stops
     each window's forward once every linear of ``linears`` has run (and returns no outputs).
-    ``hessian_dtype``: the dtype of each window's ``x^T x`` (sums are float64 either way).
+    ``hessian_dtype``: the dtype of each window's ``x^T x`` (sums are float64 either way). ``inputs``: a dict
+    that receives, per linear, the input tensor of each of its calls (in window order).
     """
     want = set(want) & {"hessian", "input_sq"}
     sums: dict[str, torch.Tensor] = {}  # by owner: the first linear that saw an input tensor
@@ -353,6 +355,8 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
             owner = seen.setdefault(id(x), (x, name))[1]
             owner_of[name] = owner
             fired.add(name)
+            if inputs is not None:
+                inputs.setdefault(name, []).append(x)
             if owner == name and want:
                 x = x.reshape(-1, x.shape[-1])
                 v = xtx(x, hessian_dtype) if "hessian" in want else x.double().square().sum(0)
@@ -362,7 +366,7 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
                 raise _Stop
         return fwd
 
-    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()] if (want or not outputs) else []
+    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()] if (want or not outputs or inputs is not None) else []
     outs = []
     try:
         for x, kw in zip(hidden, kwargs):

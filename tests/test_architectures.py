@@ -459,3 +459,30 @@ def test_each_layer_input_gives_unreached_experts_the_identity():
     each_layer_input(model, ids, experts, lambda n, x: seen.setdefault(n, x), "fix")
     assert list(seen) == experts and torch.equal(seen[experts[0]], torch.ones(2, 8))
     assert torch.equal(seen[experts[1]], torch.eye(8)) and torch.equal(seen[experts[2]], torch.eye(8))
+
+
+@pytest.mark.parametrize("name,corrected", [("llama", 2), ("qwen2", 2), ("phi3", 2), ("cohere", 2), ("gpt_neox", 2),
+                                            ("gemma3", 0), ("mixtral", 0)])
+def test_finalize_output_correction_equals_the_forward(name, corrected, tok_dir, tmp_path, monkeypatch):
+    """finalize takes a layer's outputs from its last group's statistics pass plus the quantized projection's output
+    change, where that is exact (the down projection added to the residual stream), and runs the layer again where
+    it is not (Gemma's norm after the MLP, routed experts): every layer sees the same inputs as with the second pass
+    always run (to float32 rounding), and the manifest says how many layers were corrected."""
+    import qrecover.stages.finalize as fin
+
+    src = tmp_path / name
+    _build(name, src, tok_dir)
+    seen: list[list[torch.Tensor]] = []
+    real = fin.layer_stats
+    monkeypatch.setattr(fin, "layer_stats", lambda *a, **k: seen[-1].append(a[1][1].clone()) or real(*a, **k))
+    manifests = []
+    for keep in (fin.KEEP_BYTES, 0):
+        monkeypatch.setattr(fin, "KEEP_BYTES", keep)
+        seen.append([])
+        manifests.append(compress(CompressConfig(model=str(src), bpw=None, encodings="gptq:4/g16", embedding_bits="8",
+                                                 calib_samples=2, seq_len=32), out=None, show_progress=False))
+    assert manifests[0]["finalize"]["outputs_corrected"] == f"{corrected}/2 layers"
+    assert manifests[1]["finalize"]["outputs_corrected"] == "0/2 layers"
+    assert len(seen[0]) == len(seen[1]) > 4
+    for a, b in zip(*seen):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

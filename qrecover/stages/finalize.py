@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
 from ..models import decoder_layers, linear_layers, module_name, resident
@@ -27,6 +28,39 @@ from .candidates import quantize_unit
 from .specs import Encoding
 
 INPUT_STATS = frozenset({"hessian", "input_sq"})
+#: at most this many bytes of the last group's inputs are kept for the output correction (else a second pass)
+KEEP_BYTES = 2 * 2**30
+
+
+def _kept_bytes(hidden: list[torch.Tensor], group: list[str], lins: dict[str, nn.Module]) -> int:
+    """Bytes of the last group's inputs over every window, if each linear reads one value per token."""
+    tokens = sum(h.numel() // h.shape[-1] for h in hidden)
+    return sum(tokens * lins[n].weight.shape[1] * hidden[0].element_size() for n in group)
+
+
+def _corrected_outputs(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], outs: list[torch.Tensor],
+                       kept: dict[str, list[torch.Tensor]], deltas: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """The layer's outputs with its last group quantized, from the pass that collected that group's statistics
+    (``outs``, the group still unquantized) plus each quantized linear's output change ``x (W_q - W)^T``: exact
+    where those outputs are added to the residual stream unchanged (Llama, Qwen, Mistral, Phi-3: the down
+    projection). Checked on the first window against a real forward; None (run the forward) where it does not
+    hold (a norm after the projection as in Gemma, routed experts) or a linear ran other than once per window."""
+    if any(len(kept.get(n, ())) != len(hidden) for n in deltas):
+        return None
+    fixed = []
+    for j, y in enumerate(outs):
+        change = [F.linear(kept[n][j], d) for n, d in deltas.items()]
+        if any(c.shape != y.shape for c in change):  # the projection's output is not the layer's (e.g. routed experts)
+            return None
+        fixed.append(y + sum(change))
+    want = forward_layer(layer, hidden[:1], kwargs[:1])[0]
+    err = (fixed[0] - want).abs().max()
+    change = (want - outs[0]).abs().max()  # what the correction had to account for
+    eps = torch.finfo(want.dtype).eps * want.abs().max() * 64
+    if not err <= 1e-3 * change + eps:
+        return None
+    fixed[0] = want
+    return fixed
 
 
 @torch.no_grad()
@@ -56,6 +90,7 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
         emb.weight.data = saved
     result: dict[str, QuantizedWeight] = {}
     damage: dict[str, float] = {}
+    shortcuts = 0
     with progress() as bar:
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
@@ -64,10 +99,15 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                 originals = {n: m.weight.data.clone() for n, m in lins.items()}
                 try:
                     order = linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)]
-                    for group in order:
+                    kept, outs, deltas = None, None, {}
+                    for k, group in enumerate(order):
                         want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
-                        stats = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=False,
-                                            hessian_dtype=torch.float32)[0] if want else {n: {} for n in group}
+                        # the last of several groups: its pass runs to the layer's end and keeps the group's inputs,
+                        # so that the layer's outputs need no second pass where the correction is exact (below)
+                        if want and k == len(order) - 1 > 0 and _kept_bytes(hidden, group, lins) <= KEEP_BYTES:
+                            kept = {}
+                        stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=kept is not None,
+                                                  hessian_dtype=torch.float32, inputs=kept) if want else ({n: {} for n in group}, None)
                         cache: dict = {}
                         for n in group:
                             st = dict(stats[n])
@@ -79,13 +119,18 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                             if "hessian" in st and out_grad_sq is not None:
                                 damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
                             result[n] = qw
+                            if kept is not None:
+                                deltas[n] = deq - w.data
                             w.data.copy_(deq)  # the next groups and layers see the quantized layer
                         del stats
-                    hidden = forward_layer(layer, hidden, kwargs)
+                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, kept, deltas) if kept is not None else None
+                    shortcuts += corrected is not None
+                    hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
+                    del kept, outs, deltas
                 finally:
                     for n, m in lins.items():
                         m.weight.data.copy_(originals[n])
             bar.advance(task)
     mode = "true-sequential (groups sharing an input, in call order)" if groups == "input" else "layer (one pass per layer)"
-    return result, {"mode": mode, "damage": damage,
+    return result, {"mode": mode, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
                     "seconds": round(time.time() - t0, 1)}
