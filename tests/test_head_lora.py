@@ -24,6 +24,9 @@ from qrecover.recovery.head_lora import QuantLoraHead, head_config
 from qrecover.recovery.lora import adapter_summary, attach_lora, base_identity, init_error_svd, lora_modules, peft_from_pretrained, save_adapter
 from qrecover.recovery.schedule import lr_scheduler
 
+# PEFT warns of every layer class it does not know; qrecover's head adapter is made for QuantLMHead: no such warning
+pytestmark = pytest.mark.filterwarnings("error:Unsupported layer type:UserWarning")
+
 
 def _randomize(model, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)

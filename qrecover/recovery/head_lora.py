@@ -25,6 +25,7 @@ would change the lookup too (or untie the two and store the vocabulary matrix tw
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch.nn as nn
@@ -43,7 +44,9 @@ class QuantLoraHead(LoraLinear):
     def __init__(self, base_layer: QuantLMHead, adapter_name: str, config: LoraConfig, **kwargs: Any) -> None:
         if config.lora_bias:
             raise QRecoverError("lora_bias=True is not supported on the tied output head; use lora_bias=False")
-        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        with warnings.catch_warnings():  # PEFT warns of any class it does not know; this one it is made for
+            warnings.filterwarnings("ignore", message=r"Unsupported layer type .*QuantLMHead", category=UserWarning)
+            super().__init__(base_layer, adapter_name, config=config, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise QRecoverError("the output head's adapter cannot be merged: the tied head shares its packed matrix with the "
