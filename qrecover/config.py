@@ -25,7 +25,7 @@ class CompressConfig(DictConfig):
                                             "(the first four only), '4' or '8'")
     encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' "
                                             "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`, "
-                                            "or, when neither is given, the default menu (stages.specs.DEFAULT_ENCODINGS, 'afm-blocks')")
+                                            "or, when neither is given, the default menu (stages.specs.DEFAULT_ENCODINGS, 'mixed-blocks')")
     embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. "
                                                       "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
     finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "

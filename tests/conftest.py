@@ -56,7 +56,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 # the fixtures test mechanics on the menu they were written for (AFM's palettize:2,3,4, the default until 2026-11);
-# the default menu (afm-blocks) has its own tests
+# the default menu (mixed-blocks) has its own tests
 TINY_CKPT_CFG = dict(bpw=5.0, calib_samples=2, seq_len=64, bits=[2, 3, 4])
 
 

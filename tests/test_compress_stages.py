@@ -383,6 +383,9 @@ def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert [(e.bits, e.params["block_size"], e.params["block_fit"], e.params["refit"]) for e in blocks] == [
         (2, None, "exact", 2), (3, None, "exact", 2), (4, None, "exact", 2), (2, 192, "nearest", 2), (3, 192, "nearest", 2),
         (4, 192, "nearest", 2)]
+    assert parse_encodings("mixed-blocks") == blocks + parse_encodings("gptq:3/g64,gptq:4/g64")
+    assert [e.params["act_order"] for e in parse_encodings("mixed-blocks")[-2:]] == [True, True]
+    assert CompressConfig().encodings == "mixed-blocks"  # the default menu
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):

@@ -38,10 +38,11 @@ awq+gptq:3/g128, palettize:3/g1 (one table per row). A transform (awq+...) is mo
 every candidate then quantizes the transformed weights.
 
 Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
-(palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (the default:
-palettize:2,3,4 with whole-row tables and tables per 192 columns, each refitted twice; the best measured, on the
-calibration domain and on held-out text), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64,
-palettize:2,3,4, gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with
+(palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (palettize:2,3,4
+with whole-row tables and tables per ~192 columns, each refitted twice: the best palettization-only menu),
+mixed-blocks (the default: afm-blocks + gptq:3/g64, gptq:4/g64; the best measured, on the calibration domain and on
+every held-out domain), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
+gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with
 specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
 every layer's columns) is offered to those layers only.
 """
@@ -55,7 +56,7 @@ def compress(
     model: Optional[str] = ModelArg,
     bits: Optional[str] = typer.Option(None, "--bits", help="Candidate widths for the decoder linear layers with --scheme, e.g. 2,4 (AFM) or "
                                                             "2,3,4 (the default with --scheme). Without --bits, --scheme and --encodings: the "
-                                                            "default menu, afm-blocks."),
+                                                            "default menu, mixed-blocks."),
     scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...; "
                                                                 "palettize with --bits alone); with --bits, shorthand for --encodings "
@@ -68,7 +69,7 @@ def compress(
                                                                         "tables, 4/3-bit GPTQ groups of 32), 'legacy' (the first four), 4 or 8."),
     encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
                                                                       "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: afm, "
-                                                                      "afm-blocks, mixed, mixed-awq (overrides --scheme/--bits)."),
+                                                                      "afm-blocks, mixed-blocks (the default), mixed, mixed-awq (overrides --scheme/--bits)."),
     embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
                                                                                           "blockwise:4/b32/asym,palettize:3/g1 (overrides "
                                                                                           "--embedding-bits)."),

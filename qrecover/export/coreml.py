@@ -67,8 +67,8 @@ def palettized_groups(qw) -> tuple[int, np.ndarray, np.ndarray]:
     g, c = qw.params["group_size"], qw.params.get("block_size") or in_f
     if c != in_f:
         raise QRecoverError(f"palettized tables over blocks of {c} input columns are not a Core ML granularity (it groups "
-                            "output channels only); compress with whole-row tables for --format coreml (--encodings afm, not "
-                            "afm-blocks or a /bN palettize spec)")
+                            "output channels only); compress with whole-row tables for --format coreml (--encodings afm, not the "
+                            "default mixed-blocks, afm-blocks or a /bN palettize spec)")
     codes = unpack(qw.tensors["qdata"], qw.bits, out_f * in_f).view(out_f, in_f).numpy()
     return g, qw.tensors["lut"].reshape(out_f // g, 2**qw.bits).numpy().astype(np.float16), codes
 
