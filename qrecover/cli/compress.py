@@ -68,8 +68,9 @@ def compress(
                                                                         "128/64/32, 8-bit per-channel, 3/2-bit blocks of 32, 4/3-bit per-row "
                                                                         "tables, 4/3-bit GPTQ groups of 32), 'legacy' (the first four), 4 or 8."),
     encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
-                                                                      "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: afm, "
-                                                                      "afm-blocks, mixed-blocks (the default), mixed, mixed-awq (overrides --scheme/--bits)."),
+                                                                      "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: "
+                                                                      "mixed-blocks (the default), afm, afm-blocks, mixed, mixed-awq "
+                                                                      "(overrides --scheme/--bits)."),
     embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
                                                                                           "blockwise:4/b32/asym,palettize:3/g1 (overrides "
                                                                                           "--embedding-bits)."),
