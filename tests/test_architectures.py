@@ -476,13 +476,21 @@ def test_finalize_output_correction_equals_the_forward(name, corrected, tok_dir,
     real = fin.layer_stats
     monkeypatch.setattr(fin, "layer_stats", lambda *a, **k: seen[-1].append(a[1][1].clone()) or real(*a, **k))
     manifests = []
+    cfg = CompressConfig(model=str(src), bpw=None, encodings="gptq:4/g16", embedding_bits="8", calib_samples=2, seq_len=32)
     for keep in (fin.KEEP_BYTES, 0):
         monkeypatch.setattr(fin, "KEEP_BYTES", keep)
         seen.append([])
-        manifests.append(compress(CompressConfig(model=str(src), bpw=None, encodings="gptq:4/g16", embedding_bits="8",
-                                                 calib_samples=2, seq_len=32), out=None, show_progress=False))
+        manifests.append(compress(cfg, out=tmp_path / f"keep{keep}", show_progress=False))
     assert manifests[0]["finalize"]["outputs_corrected"] == f"{corrected}/2 layers"
     assert manifests[1]["finalize"]["outputs_corrected"] == "0/2 layers"
     assert len(seen[0]) == len(seen[1]) > 4
     for a, b in zip(*seen):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the attention block replayed from its output projection's kept inputs (one per layer) is bit-exact: the same
+    # checkpoint as running the block in every later pass
+    assert manifests[0]["finalize"]["blocks_replayed"] == 2 and manifests[1]["finalize"]["blocks_replayed"] == 0
+    monkeypatch.setattr(fin, "KEEP_BYTES", 2**40)
+    monkeypatch.setattr(fin, "_replayable", lambda *a: None)
+    plain = compress(cfg, out=tmp_path / "plain", show_progress=False)
+    assert plain["finalize"]["blocks_replayed"] == 0
+    assert plain["weights_file"]["sha256"] == manifests[0]["weights_file"]["sha256"]

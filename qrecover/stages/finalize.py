@@ -13,7 +13,8 @@ loaded model's layer is read from disk for its turn and dropped after (:func:`qr
 from __future__ import annotations
 
 import time
-from typing import Any
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,58 @@ def _kept_bytes(hidden: list[torch.Tensor], group: list[str], lins: dict[str, nn
     """Bytes of the last group's inputs over every window, if each linear reads one value per token."""
     tokens = sum(h.numel() // h.shape[-1] for h in hidden)
     return sum(tokens * lins[n].weight.shape[1] * hidden[0].element_size() for n in group)
+
+
+def _replayable(layer: nn.Module, linear: nn.Module, parent: nn.Module, x: torch.Tensor, kw: dict) -> tuple | None:
+    """The shape of ``parent``'s output if it is exactly ``linear``'s output (as the attention block's is its output
+    projection's): ``(None, ...)`` for a tuple whose other elements are None, ``()`` for the bare tensor; else None.
+    From one forward of one window."""
+    seen: dict[str, Any] = {}
+    hooks = [linear.register_forward_hook(lambda _m, _i, o: seen.setdefault("linear", o)),
+             parent.register_forward_hook(lambda _m, _i, o: seen.setdefault("parent", o))]
+    try:
+        layer(x, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = seen.get("parent")
+    if isinstance(out, tuple) and out and out[0] is seen.get("linear") and all(o is None for o in out[1:]):
+        return (None,) * len(out)
+    return () if out is not None and out is seen.get("linear") else None
+
+
+@contextmanager
+def _replay(layer: nn.Module, parent: nn.Module, linear: nn.Module, inputs: list[torch.Tensor], hidden: list[torch.Tensor],
+            shape: tuple) -> Iterator[None]:
+    """While active, ``parent`` (whose output is ``linear``'s, :func:`_replayable`) is not run: for window ``j`` of
+    ``hidden`` (told apart by the layer input it is called on) its output is ``linear(inputs[j])``, bit for bit what
+    it would compute once ``linear``'s own input no longer changes, i.e. once everything before it is quantized."""
+    index = {id(h): j for j, h in enumerate(hidden)}
+    current: list[int | None] = [None]
+
+    def pre(_m, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        current[0] = index.get(id(x))
+
+    own = parent.__dict__.get("forward")  # an instance-level forward (e.g. an offloading hook's) to restore
+    real = parent.forward
+
+    def forward(*args, **kwargs):
+        if current[0] is None:  # a window this replay has no input for
+            return real(*args, **kwargs)
+        y = linear(inputs[current[0]])
+        return (y, *shape[1:]) if shape else y
+
+    handle = layer.register_forward_pre_hook(pre, with_kwargs=True)
+    parent.forward = forward
+    try:
+        yield
+    finally:
+        handle.remove()
+        if own is None:
+            del parent.forward
+        else:
+            parent.forward = own
 
 
 def _corrected_outputs(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], outs: list[torch.Tensor],
@@ -90,23 +143,26 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
         emb.weight.data = saved
     result: dict[str, QuantizedWeight] = {}
     damage: dict[str, float] = {}
-    shortcuts = 0
+    shortcuts = replayed = 0
     with progress() as bar:
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             with resident(model, layer, device):
                 lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
                 originals = {n: m.weight.data.clone() for n, m in lins.items()}
+                replays = ExitStack()  # blocks replayed from their kept inputs (_replay) until the layer is done
                 try:
                     order = linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)]
                     kept, outs, deltas = None, None, {}
                     for k, group in enumerate(order):
                         want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
                         # the last of several groups: its pass runs to the layer's end and keeps the group's inputs,
-                        # so that the layer's outputs need no second pass where the correction is exact (below)
-                        if want and k == len(order) - 1 > 0 and _kept_bytes(hidden, group, lins) <= KEEP_BYTES:
-                            kept = {}
-                        stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=kept is not None,
+                        # so that the layer's outputs need no second pass where the correction is exact (below); a
+                        # group of one linear keeps its inputs so that later passes can replay its block (_replay)
+                        last = k == len(order) - 1 > 0
+                        keep = want and (last or len(group) == 1) and _kept_bytes(hidden, group, lins) <= KEEP_BYTES
+                        kept = {} if keep else None
+                        stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=last and keep,
                                                   hessian_dtype=torch.float32, inputs=kept) if want else ({n: {} for n in group}, None)
                         cache: dict = {}
                         for n in group:
@@ -119,18 +175,29 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                             if "hessian" in st and out_grad_sq is not None:
                                 damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
                             result[n] = qw
-                            if kept is not None:
+                            if last and kept is not None:
                                 deltas[n] = deq - w.data
                             w.data.copy_(deq)  # the next groups and layers see the quantized layer
                         del stats
+                        rel = group[0][len(f"{prefix}.{i}."):].rpartition(".")[0]
+                        if kept is not None and not last and len(group) == 1 and rel and len(kept[group[0]]) == len(hidden):
+                            parent = layer.get_submodule(rel)
+                            shape = _replayable(layer, lins[group[0]], parent, hidden[0], kwargs[0])
+                            if shape is not None:
+                                replays.enter_context(_replay(layer, parent, lins[group[0]], kept[group[0]], hidden, shape))
+                                replayed += 1
+                        if not last:
+                            kept = None
                     corrected = _corrected_outputs(layer, hidden, kwargs, outs, kept, deltas) if kept is not None else None
                     shortcuts += corrected is not None
                     hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
                     del kept, outs, deltas
                 finally:
+                    replays.close()
                     for n, m in lins.items():
                         m.weight.data.copy_(originals[n])
             bar.advance(task)
     mode = "true-sequential (groups sharing an input, in call order)" if groups == "input" else "layer (one pass per layer)"
     return result, {"mode": mode, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
+                    "blocks_replayed": replayed,
                     "seconds": round(time.time() - t0, 1)}
