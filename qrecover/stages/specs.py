@@ -43,9 +43,9 @@ GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asy
 #: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
 #: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is AFM's palettization (whole-row tables;
 #: the default until 2026-11, and the only palettization Core ML export takes);
-#: ``mixed`` adds GPTQ integer layers (every architecture; the best on the worst held-out domain); ``mixed-awq``
-#: also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): the lowest perplexity on the calibration
-#: domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones. ``afm-blocks``:
+#: ``mixed`` adds GPTQ integer layers (every architecture; measured before GPTQ's act order became its default);
+#: ``mixed-awq`` also AWQ-scaled 3-bit GPTQ layers (architectures with an AWQ mapping): low perplexity on the
+#: calibration domain, but AWQ's scales fit that domain and it is worse than ``mixed`` on the held-out ones. ``afm-blocks``:
 #: palettization only, whole-row tables and tables per block of about 192 input columns (``block_fit=nearest``: 192 on
 #: the default model's 576 and 1536, 256 on 2048 or 4096, 224 on 14336; a layer with no multiple of 32 within a factor
 #: 2 chooses among the whole-row ones), each with two least-squares table refits: the best palettization-only
