@@ -29,12 +29,13 @@ from .candidates import quantize_unit
 from .specs import Encoding
 
 INPUT_STATS = frozenset({"hessian", "input_sq"})
-#: at most this many bytes of the last group's inputs are kept for the output correction (else a second pass)
+#: at most this many bytes of a group's inputs are kept, for the output correction or a block replay (else the
+#: forward runs again)
 KEEP_BYTES = 2 * 2**30
 
 
 def _kept_bytes(hidden: list[torch.Tensor], group: list[str], lins: dict[str, nn.Module]) -> int:
-    """Bytes of the last group's inputs over every window, if each linear reads one value per token."""
+    """Bytes of a group's inputs over every window, if each linear reads one value per token."""
     tokens = sum(h.numel() // h.shape[-1] for h in hidden)
     return sum(tokens * lins[n].weight.shape[1] * hidden[0].element_size() for n in group)
 
@@ -89,6 +90,18 @@ def _replay(layer: nn.Module, parent: nn.Module, linear: nn.Module, inputs: list
             del parent.forward
         else:
             parent.forward = own
+
+
+def _block_replay(layer: nn.Module, layer_prefix: str, name: str, linear: nn.Module, inputs: list[torch.Tensor],
+                  hidden: list[torch.Tensor], kwargs: list[dict]):
+    """The :func:`_replay` of the block whose output is ``linear``'s (``name``: its full name), or None where there is
+    no such block or the linear did not run once per window."""
+    rel = name[len(layer_prefix):].rpartition(".")[0]
+    if not rel or len(inputs) != len(hidden):
+        return None
+    parent = layer.get_submodule(rel)
+    shape = _replayable(layer, linear, parent, hidden[0], kwargs[0])
+    return None if shape is None else _replay(layer, parent, linear, inputs, hidden, shape)
 
 
 def _corrected_outputs(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], outs: list[torch.Tensor],
@@ -148,12 +161,13 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             with resident(model, layer, device):
-                lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
+                layer_prefix = f"{prefix}.{i}."
+                lins = linear_layers(layer, prefix=layer_prefix)
                 originals = {n: m.weight.data.clone() for n, m in lins.items()}
                 replays = ExitStack()  # blocks replayed from their kept inputs (_replay) until the layer is done
                 try:
                     order = linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)]
-                    kept, outs, deltas = None, None, {}
+                    kept, final, outs, deltas = None, None, None, {}  # final: the last group's kept inputs
                     for k, group in enumerate(order):
                         want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
                         # the last of several groups: its pass runs to the layer's end and keeps the group's inputs,
@@ -179,19 +193,18 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                                 deltas[n] = deq - w.data
                             w.data.copy_(deq)  # the next groups and layers see the quantized layer
                         del stats
-                        rel = group[0][len(f"{prefix}.{i}."):].rpartition(".")[0]
-                        if kept is not None and not last and len(group) == 1 and rel and len(kept[group[0]]) == len(hidden):
-                            parent = layer.get_submodule(rel)
-                            shape = _replayable(layer, lins[group[0]], parent, hidden[0], kwargs[0])
-                            if shape is not None:
-                                replays.enter_context(_replay(layer, parent, lins[group[0]], kept[group[0]], hidden, shape))
+                        if last:
+                            final = kept
+                        elif kept is not None and len(group) == 1:
+                            n = group[0]
+                            block = _block_replay(layer, layer_prefix, n, lins[n], kept[n], hidden, kwargs)
+                            if block is not None:
+                                replays.enter_context(block)
                                 replayed += 1
-                        if not last:
-                            kept = None
-                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, kept, deltas) if kept is not None else None
+                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, final, deltas) if final is not None else None
                     shortcuts += corrected is not None
                     hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
-                    del kept, outs, deltas
+                    del kept, final, outs, deltas
                 finally:
                     replays.close()
                     for n, m in lins.items():
