@@ -19,7 +19,9 @@ rank 16 (kd); ranks 8, 16 and 32 at 3.5 bpw and equal tokens; a 'top:N' adapter 
 Row options: ':head=R' adds a rank-R LoRA on the tied output head; ':wsd' the warm-up-stable-decay schedule;
 ':damage' spreads the rank-R adapter's parameters over the layers by damage and error spectrum (`--rank-allocation
 damage`); ':int8' also scores the same adapter exported with 8-bit weights (`--adapter-bits 8`: per-row int8 + fp16 scales,
-quantized at save time from the same trained weights, so it needs no second training run).
+quantized at save time from the same trained weights, so it needs no second training run); ':mix=NAME' trains on
+another data mix, benchmarks/mixes/NAME.toml or a .toml path (the data lever: `more-data` holds four times the
+shipped mix's teacher-written chats).
 **Equal total bytes**: for every row, the adapter-free checkpoint of `qrecover compress --bpw <base + adapter bpw>`
 (the same total size) is scored as a reference row (`--no-references` skips them).
 Then the speed of the training base path: dequantized weights cached in memory or dequantized every forward,
@@ -88,14 +90,25 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
     return paths
 
 
-# BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:int8][@TOKENS]: every run is a curve (held-out perplexity
+# RUN_GRAMMAR: every run is a curve (held-out perplexity
 # as initialised and at the --points fractions of its tokens). The first is the long run of the one-hour target; the
 # others compare objectives, bit widths, ranks, a smaller adapter and the initialisation (':zero' = PEFT's B = 0
 # instead of the default error-SVD init, at the lr that suits it) at equal tokens.
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:int8][@TOKENS]"
+RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][@TOKENS]"
+MIXES = ROOT / "benchmarks" / "mixes"  # ':mix=NAME' trains on benchmarks/mixes/NAME.toml (or a .toml path)
+
+
+def mix_path(name: str | None) -> Path:
+    """The data-mix TOML a row trains on: the shipped default (None), benchmarks/mixes/NAME.toml, or a path."""
+    if name is None:
+        return default_mix_path()
+    path = Path(name) if name.endswith(".toml") else MIXES / f"{name}.toml"
+    if not path.is_file():
+        sys.exit(f":mix={name}: {path} does not exist; name a file of {MIXES} (without .toml) or a .toml path")
+    return path
 
 
 def parse_runs(spec: str, tokens: int) -> list[dict]:
@@ -107,7 +120,7 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
         body, _, n = item.partition("@")
         parts = body.split(":")
         run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
-               "rank_allocation": "uniform"}
+               "rank_allocation": "uniform", "mix": None}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -121,6 +134,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                 run["int8"], rest = True, rest[1:]
             elif rest[0] == "damage":
                 run["rank_allocation"], rest = "damage", rest[1:]
+            elif rest[0].startswith("mix=") and rest[0][4:]:
+                run["mix"], rest = rest[0][4:], rest[1:]
             elif rest[0].startswith("head=") and rest[0][5:].isdigit():
                 run["head_rank"], rest = int(rest[0][5:]), rest[1:]
             elif rest[0].startswith("lr="):
@@ -146,6 +161,7 @@ def run_name(r: dict) -> str:
             + ("" if not r.get("head_rank") else f"-head{r['head_rank']}")
             + ("" if r.get("schedule", "cosine") == "cosine" else f"-{r['schedule']}")
             + ("" if r.get("rank_allocation", "uniform") == "uniform" else "-damage")
+            + ("" if not r.get("mix") else f"-mix{Path(r['mix']).stem}")
             + f"-{r['tokens']}tok")
 
 
@@ -237,13 +253,13 @@ def main() -> None:
 
     # --- recovery runs -------------------------------------------------------------------------------------
     rows = []
-    mix_sha = sha256_file(default_mix_path())
     for run in runs:
         b, objective, rank, targets, init, n_tokens = (run[k] for k in ("bpw", "objective", "rank", "targets", "init", "tokens"))
         milestones = sorted({round(f * n_tokens) for f in points if 0 < f < 1})
         cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, init=init,
                             seq_len=seq_len, checkpoint_every=0, head_rank=run["head_rank"], schedule=run["schedule"],
                             rank_allocation=run.get("rank_allocation", "uniform"),
+                            mix=None if run["mix"] is None else str(mix_path(run["mix"])),
                             **({} if run["lr"] is None else {"lr": run["lr"]}))
         curve = []  # the first at 0 tokens: the quantized model with the adapter as initialised
         per_step = cfg.tokens_per_step
@@ -257,7 +273,7 @@ def main() -> None:
 
         name = run_name(run)
         key = {"config": cfg.to_dict(), "milestones": milestones, "points": points, "windows": windows,
-               "texts": {k: DOMAINS[k].text_sha256 for k in TEXTS}, "mix_sha256": mix_sha,
+               "texts": {k: DOMAINS[k].text_sha256 for k in TEXTS}, "mix_sha256": sha256_file(mix_path(run["mix"])),
                "checkpoint": read_manifest(ckpts[b])["weights_file"]["sha256"]}
         done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
         if done.is_file() and json.loads(done.read_text())["key"] == key:
@@ -274,7 +290,8 @@ def main() -> None:
             curve.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
             row = {"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
                    "targets": targets, "init": init, "lr": cfg.lr, "head_rank": cfg.head_rank, "schedule": cfg.schedule,
-                   "rank_allocation": cfg.rank_allocation, "adapter_bits": 16, "init_output_error_removed": meta["init"].get("output_error_removed"),
+                   "rank_allocation": cfg.rank_allocation, "mix": run["mix"], "adapter_bits": 16,
+                   "init_output_error_removed": meta["init"].get("output_error_removed"),
                    "layers": meta["layers"], "adapter_mb": meta["bytes"]["tensors"] / 1e6,
                    "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                    "train_seconds": meta["training"]["seconds"], "wall_seconds": time.time() - t,
@@ -325,7 +342,8 @@ def _adapter(r: dict) -> str:
     return (f"{r['objective']} r{r['rank']} " + ("" if r["targets"] == "all" else r["targets"] + " ")
             + (f"+ head r{r['head_rank']} " if r.get("head_rank") else "") + f"({r['layers']} layers)"
             + (", wsd" if r.get("schedule") == "wsd" else "") + (", int8" if r.get("adapter_bits") == 8 else "")
-            + (", ranks by damage" if r.get("rank_allocation") == "damage" else ""))
+            + (", ranks by damage" if r.get("rank_allocation") == "damage" else "")
+            + (f", mix {Path(r['mix']).stem}" if r.get("mix") else ""))
 
 
 def _each(values: dict, fmt: str = "{:.2f}", scale: float = 1.0) -> str:

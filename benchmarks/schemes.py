@@ -16,8 +16,10 @@ its own (``os.wait4`` rusage of the child):
   from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights and every
   other tensor oneshot changed (AWQ folds its scales into the norms) with safetensors; their perplexity is then
   measured in qrecover's venv on the original model with those tensors loaded (same protocol). Its embedding
-  (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit per channel. The llmc bpw is the
-  nominal one of its packed format (bits + fp16 scale and zero per group).
+  (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit per channel, so the same weights are also
+  scored with qrecover's 8-bit embedding (``ppl_embedding8``, in the row's note): the two libraries' rows then
+  differ in their linear layers alone. The llmc bpw is the nominal one of its packed format (bits + fp16 scale and
+  zero per group).
 
 Finished rows are cached in benchmarks/out/schemes/*.json, keyed by the row's settings, so a re-run skips them.
 
@@ -96,6 +98,10 @@ ROWS: dict[str, dict] = {
     "awq+gptq-w4g64": {"kind": "qrecover", "encodings": "awq+gptq:4/g64/asym/act_order=false"},
     "awq-w3g64": {"kind": "qrecover", "encodings": "awq+blockwise:3/b64/asym"},
     "llmc-awq-w3g64": {"kind": "llmc", "method": "awq", "bits": 3, "group": 64},
+    # AutoAWQ's clip search after the scales (llm-compressor's AWQ leaves it out), and the same search on plain rounding
+    "awq-clip-w4g64": {"kind": "qrecover", "encodings": "awq+blockwise:4/b64/asym/clip=true"},
+    "awq-clip-w3g64": {"kind": "qrecover", "encodings": "awq+blockwise:3/b64/asym/clip=true"},
+    "rtn-clip-w3g64": {"kind": "qrecover", "encodings": "blockwise:3/b64/asym/clip=true"},
     "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=false", "finalize_groups": "layer"},
     "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
     "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
@@ -326,10 +332,11 @@ def run_llmc(name: str, s: dict, calib_samples: int, work: Path, llmc_py: str, m
     n_lin, n_all = info["linear_params"], info["all_params"]
     lin_bpw = bits + 32 / g  # fp16 scale + zero point per group (compressed-tensors pack-quantized)
     return {"bpw_model": (n_lin * lin_bpw + (n_all - n_lin) * 16) / n_all, "bpw_linear": lin_bpw,
-            "ppl": last_json(pout)["ppl"], "seconds": wall, "cpu_seconds": cpu, "peak_rss_mb": rss, "ppl_seconds": pwall,
+            "ppl": last_json(pout)["ppl"], "ppl_embedding8": last_json(pout)["ppl_embedding8"], "seconds": wall,
+            "cpu_seconds": cpu, "peak_rss_mb": rss, "ppl_seconds": pwall,
             "threads": env["OMP_NUM_THREADS"], "oneshot_seconds": info["oneshot_seconds"], "on_grid": info["on_grid"],
-            "note": "llm-compressor 0.14 oneshot; dequantized weights; embedding fp32 (bpw_model nominal: embedding "
-                    "counted at 16)"}
+            "note": f"llm-compressor 0.14 oneshot; dequantized weights; embedding fp32 (bpw_model nominal: embedding "
+                    f"counted at 16); with qrecover's 8-bit embedding: ppl {last_json(pout)['ppl_embedding8']:.3f}"}
 
 
 def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path = MODEL_DIR) -> None:
@@ -395,7 +402,22 @@ def ppl_with(weights: str, model_dir: Path | None = None) -> None:
         raise SystemExit(f"weights not in the model: {sorted(missing)[:5]}")
     model.load_state_dict(sd, strict=False)
     with torch.no_grad():
-        print(json.dumps(api.perplexity(model, tok, show_progress=False)))
+        result = api.perplexity(model, tok, show_progress=False)
+        # the same linear weights with the embedding (and an untied head) as qrecover's uniform rows store it, so that
+        # the two libraries' rows differ in their linear layers alone
+        for m in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings()) if e is not None}.values():
+            m.weight.copy_(embedding8(m.weight))
+        result["ppl_embedding8"] = api.perplexity(model, tok, show_progress=False)["ppl"]
+    print(json.dumps(result))
+
+
+def embedding8(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` quantized and dequantized with ``blockwise:8/pc``, the embedding of qrecover's uniform rows
+    (``--embedding-bits 8``: round to nearest, symmetric, one scale per row; needs no calibration statistics)."""
+    from qrecover.stages.specs import parse_encoding
+
+    enc = parse_encoding("blockwise:8/pc", what="--embedding-encodings")
+    return enc.quantizer.quantize(weight.detach().float(), enc.bits, {}).dequantize(weight.dtype)
 
 
 def run_fold(s: dict, calib_samples: int, model: Path | None) -> dict:

@@ -105,14 +105,14 @@ class _SpyRound(Quantizer):
 def test_spec_options_reach_the_scheme():
     e = parse_encoding("blockwise:4/b32/asym")
     assert (e.scheme, e.bits) == ("blockwise", 4)
-    assert e.params == {"block_size": 32, "symmetric": False} and e.label == "blockwise:4/b32/asym"
-    assert parse_encoding("blockwise:8/pc").params == {"block_size": None, "symmetric": True}
+    assert e.params == {"block_size": 32, "symmetric": False, "clip": False} and e.label == "blockwise:4/b32/asym"
+    assert parse_encoding("blockwise:8/pc").params == {"block_size": None, "symmetric": True, "clip": False}
     p = parse_encoding("palettize:3/g1/iters=50/weighted=false/importance_power=1.5").params
     assert p["group_size"] == 1 and p["iters"] == 50 and p["weighted"] is False and p["importance_power"] == 1.5
     assert p["block_size"] is None and p["error_feedback"] is True  # defaults resolved
     # the default of --scheme-param applies where the scheme has the field; the spec wins
     a, b = parse_encodings("palettize:2/g8,blockwise:4", {"group_size": 32})
-    assert a.params["group_size"] == 8 and b.params == {"block_size": 64, "symmetric": True}
+    assert a.params["group_size"] == 8 and b.params == {"block_size": 64, "symmetric": True, "clip": False}
     # equal storage is an equal encoding (labels aside), duplicates dropped
     assert parse_encoding("palettize:4") == parse_encoding("palettize:4/g16")
     assert len(parse_encodings("palettize:4,palettize:4/g16,palettize:3")) == 2
@@ -120,6 +120,7 @@ def test_spec_options_reach_the_scheme():
 
 
 @pytest.mark.parametrize("text", ["palettize:2", "palettize:3/g1/pc", "blockwise:4/b32/asym", "blockwise:8/pc",
+                                  "awq+blockwise:4/b32/asym/clip=true",
                                   "palettize:4/b128/error_feedback=false/iters=7", "t_spy:4/step=0.25"])
 def test_spec_round_trip(text):
     e = parse_encoding(text)
@@ -169,7 +170,7 @@ def test_shorthands():
     assert auto[:4] == LEGACY_EMBEDDING and {e.bits for e in auto} == {2, 3, 4, 8}
     assert any(e.scheme == "palettize" and e.params["group_size"] == 1 for e in auto)  # per-row tables
     assert [e.bits for e in embedding_encodings("4", None, True)] == [4, 4, 4]
-    assert embedding_encodings("auto", "blockwise:3/b32/asym", True)[0].params == {"block_size": 32, "symmetric": False}
+    assert embedding_encodings("auto", "blockwise:3/b32/asym", True)[0].params == {"block_size": 32, "symmetric": False, "clip": False}
 
 
 # --- allocation ----------------------------------------------------------------------------------------------
@@ -200,6 +201,7 @@ def test_plan_stats():
     assert plan_stats([pal], [emb8], damage=False).layer == {"hessian", "input_sq"}
     p = plan_stats([ident], [emb8], damage=True)  # the damage estimate needs the Hessian and the gradients
     assert p.layer == {"hessian"} and p.gradients
+    assert plan_stats([parse_encoding("blockwise:4/b32/asym/clip=true")], [emb8], damage=False).layer == {"hessian"}
 
 
 @pytest.fixture
@@ -255,6 +257,25 @@ def test_uniform_model_with_finalize_skips_the_candidate_pass(tiny_model_dir, co
     with pytest.raises(QRecoverError, match="prepared model has no linear candidates.*prepare again"):
         compress(_cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32/asym", finalize=False), prepared=p,
                  show_progress=False, out=None)
+
+
+def test_clip_search_end_to_end(tiny_model_dir, tmp_path):
+    """``blockwise/.../clip=true`` (with AWQ before it) compresses, calibration computes the Hessian it needs (and
+    nothing else), the bytes are plain blockwise's, and the model differs from plain rounding's (some ranges clipped).
+    That the clip lowers a layer's output error is tested against a float64 search in test_schemes.py."""
+    runs = {}
+    for clip in ("false", "true"):
+        m = compress(_cfg(tiny_model_dir, bpw=None, encodings=f"awq+blockwise:4/b32/asym/clip={clip}", finalize=False),
+                     out=tmp_path / clip, show_progress=False)
+        runs[clip] = m
+        lin = {v["label"] for v in m["layers"].values() if v["kind"] == "linear"}
+        assert lin == {f"awq+blockwise:4/b32/asym/clip={clip}"}
+    assert runs["true"]["calibration"]["computed"]["layer_stats"] == ["hessian"]
+    assert runs["true"]["measured_bpw"] == runs["false"]["measured_bpw"]
+    a, b = qrecover.load(tmp_path / "false"), qrecover.load(tmp_path / "true")
+    ids = torch.arange(2, 34).unsqueeze(0)
+    with torch.no_grad():
+        assert not torch.equal(a(ids).logits, b(ids).logits)  # the clip changed some scales
 
 
 def test_finalize_groups_layer_takes_one_statistics_pass_per_layer(tiny_model_dir, tmp_path, monkeypatch):

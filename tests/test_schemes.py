@@ -505,6 +505,74 @@ def test_blockwise_zero_block_and_per_channel_int8():
     assert rel < 1e-4, rel
 
 
+def _clip_reference(w, bits, symmetric, b, H):
+    """float64 brute force of ``clip=true``: per block, every ratio of CLIP_RATIOS quantized the documented way and
+    scored by ``dw^T H_bb dw``; the first ratio of least error wins. Returns the dequantized weight and the ratios."""
+    from qrecover.schemes.blockwise import CLIP_RATIOS
+
+    qmax, half = 2**bits - 1, 2 ** (bits - 1)
+    out = torch.empty(w.shape, dtype=torch.float64)
+    ratios = torch.empty(w.shape[0], w.shape[1] // b)
+    for o in range(w.shape[0]):
+        for k in range(w.shape[1] // b):
+            blk = w[o, k * b:(k + 1) * b].double()
+            hb = H[k * b:(k + 1) * b, k * b:(k + 1) * b].double()
+            best = None
+            for r in CLIP_RATIOS:
+                if symmetric:
+                    s = float(torch.tensor(float(blk.abs().max()) * r / max(half - 1, 1)).half()) or 1.0
+                    deq = ((torch.round(blk / s) + half).clamp(0, qmax) - half) * s
+                else:
+                    lo, hi = min(float(blk.min()), 0.0) * r, max(float(blk.max()), 0.0) * r
+                    s = float(torch.tensor((hi - lo) / qmax).half()) or 1.0
+                    zp = min(max(round(-lo / s), 0), qmax)
+                    deq = ((torch.round(blk / s) + zp).clamp(0, qmax) - zp) * s
+                err = float((blk - deq) @ hb @ (blk - deq))
+                if best is None or err < best[0] * (1 - 1e-6):
+                    best = (err, deq, r)
+            out[o, k * b:(k + 1) * b], ratios[o, k] = best[1], best[2]
+    return out, ratios
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_blockwise_clip_matches_float64_search(bits, symmetric):
+    out_f, in_f, b = 6, 64, 16
+    w = randn(out_f, in_f, seed=bits) * 0.05
+    w[:, 3] *= 8  # outliers: shrinking the range pays for some blocks
+    H = _correlated_hessian(in_f, seed=bits)
+    qw = get_quantizer("blockwise", block_size=b, symmetric=symmetric, clip=True).quantize(w, bits, {"hessian": H.double()})
+    want, ratios = _clip_reference(w, bits, symmetric, b, H)
+    torch.testing.assert_close(qw.dequantize().double(), want, rtol=0, atol=1e-6)
+    assert (ratios < 1).any()  # the search clipped (the plain range is ratio 1)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("block_size", [16, None])
+def test_blockwise_clip_lowers_output_error(bits, symmetric, block_size):
+    w = randn(32, 64, seed=bits + 10) * 0.05
+    w[::5, 7] += 0.4  # a few large weights
+    H = _correlated_hessian(64, seed=bits)
+    plain = get_quantizer("blockwise", block_size=block_size, symmetric=symmetric).quantize(w, bits, {})
+    clip_q = get_quantizer("blockwise", block_size=block_size, symmetric=symmetric, clip=True)
+    assert clip_q.needs == {"hessian"} and get_quantizer("blockwise").needs == frozenset()
+    clipped = clip_q.quantize(w, bits, {"hessian": H})
+    assert {k: (v.shape, v.dtype) for k, v in clipped.tensors.items()} == {k: (v.shape, v.dtype) for k, v in plain.tensors.items()}
+    e_plain, e_clip = _output_err(w, plain.dequantize(), H), _output_err(w, clipped.dequantize(), H)
+    assert e_clip < 0.97 * e_plain, (e_clip, e_plain)
+
+
+def test_blockwise_clip_without_hessian_uses_element_weights():
+    w = randn(8, 32, seed=3)
+    e = torch.rand(8, 32, generator=torch.Generator().manual_seed(1))
+    q = get_quantizer("blockwise", block_size=16, symmetric=False, clip=True)
+    plain = get_quantizer("blockwise", block_size=16, symmetric=False).quantize(w, 3, {}).dequantize()
+    for stats, weight in (({"element_sq": e}, e), ({"input_sq": e[0]}, e[0].expand(8, 32)), ({}, torch.ones(8, 32))):
+        got = q.quantize(w, 3, stats).dequantize()
+        assert float(((w - got) ** 2 * weight).sum()) <= float(((w - plain) ** 2 * weight).sum())
+
+
 # --- both: sizes and errors --------------------------------------------------------------------------------
 
 SIZE_CASES = [
@@ -621,7 +689,7 @@ def test_params_round_trip():
     assert {k: q.params[k] for k in ("group_size", "block_size", "weighted", "iters")} == {
         "group_size": 8, "block_size": 32, "weighted": False, "iters": 5}
     assert get_quantizer("palettize", **q.params).params == q.params
-    assert get_quantizer("blockwise", block_size=None, symmetric=False).params == {"block_size": None, "symmetric": False}
+    assert get_quantizer("blockwise", block_size=None, symmetric=False).params == {"block_size": None, "symmetric": False, "clip": False}
 
 
 @dataclass

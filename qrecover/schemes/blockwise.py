@@ -9,10 +9,18 @@ Stored tensors:
 - ``qdata``: uint8 ``(ceil(O * I * bits / 8),)``, codes in row-major ``(O, I)`` order, bit-packed
 - ``scale``: fp16 ``(O, I / B)``
 - ``zero_point`` (asymmetric only): uint8 ``(ceil(O * I / B * bits / 8),)``, bit-packed like qdata
+
+``clip=true`` (AutoAWQ's clip search, which llm-compressor's AWQ leaves out): each block's range (absmax, or min and
+max) is shrunk by the ratio in ``1, 0.975, ..., 0.5`` that gives the least output error ``dw_b^T H_bb dw_b``, where
+``H_bb`` is the block's diagonal block of the layer's input Hessian ``E[x x^T]`` (the error of that block's share of the
+output on the calibration inputs, cross-block terms left out, as AutoAWQ's per-group search does). Without a Hessian
+(an embedding) the per-element weights ``element_sq`` or ``input_sq`` stand in, else the plain squared error. The
+stored layout is unchanged: only the scales (and zero points) differ, so kernels and exporters read it as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +34,12 @@ from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
 class BlockwiseConfig:
     block_size: int | None = doc_field(64, "input elements per scale (32/64/128); None = one scale per row")
     symmetric: bool = doc_field(True, "absmax scale around zero (True) or min/max with a zero point (False)")
+    clip: bool = doc_field(False, "shrink each block's range by the ratio (1 down to 0.5) that least changes the layer's "
+                                  "output in its input Hessian (AutoAWQ's clip search; needs the 'hessian' statistic)")
+
+
+#: the range shrink ratios ``clip=true`` tries, 1 first (so a tie keeps the plain range)
+CLIP_RATIOS = tuple(1 - i / 40 for i in range(21))
 
 
 @register_quantizer
@@ -33,6 +47,10 @@ class Blockwise(Quantizer):
     name = "blockwise"
     supported_bits = (2, 3, 4, 8)
     Config = BlockwiseConfig
+
+    @property
+    def needs(self) -> frozenset[str]:  # type: ignore[override]  # depends on the config
+        return frozenset({"hessian"}) if self.config.clip else frozenset()
 
     def _block(self, shape: tuple[int, int]) -> int:
         b = self.config.block_size or shape[1]
@@ -56,21 +74,26 @@ class Blockwise(Quantizer):
         out_f, in_f = weight.shape
         b = self._block(tuple(weight.shape))
         w = weight.detach().float().reshape(out_f, in_f // b, b)
-        qmax = 2**bits - 1
-        tensors: dict[str, torch.Tensor] = {}
-        if self.config.symmetric:
-            half = 2 ** (bits - 1)
-            scale = (w.abs().amax(-1) / max(half - 1, 1)).half()
-            s = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
-            codes = (torch.round(w / s) + half).clamp_(0, qmax)
+        if self.config.clip:
+            error = _block_error(stats, w.shape, w.device)
+            best = None
+            for ratio in CLIP_RATIOS:
+                scale, zp, codes = _round(w, bits, self.config.symmetric, ratio)
+                err = error(w - _values(codes, scale, zp, bits))
+                if best is None:
+                    best, best_err = [scale, zp, codes], err
+                    continue
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                for i, t in enumerate((scale, zp, codes)):
+                    if t is not None:
+                        best[i] = torch.where(better.view(*better.shape, *[1] * (t.dim() - 2)), t, best[i])
+            scale, zp, codes = best
         else:
-            lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
-            scale = ((hi - lo) / qmax).half()
-            s = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-            zp = torch.round(-lo / s).clamp_(0, qmax)
-            codes = (torch.round(w / s.unsqueeze(-1)) + zp.unsqueeze(-1)).clamp_(0, qmax)
+            scale, zp, codes = _round(w, bits, self.config.symmetric, 1.0)
+        tensors = {"qdata": pack(codes.to(torch.uint8), bits), "scale": scale.contiguous()}
+        if zp is not None:
             tensors["zero_point"] = pack(zp.to(torch.uint8), bits)
-        tensors = {"qdata": pack(codes.to(torch.uint8), bits), "scale": scale.contiguous(), **tensors}
         return self._pack(bits, (out_f, in_f), tensors)
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -84,3 +107,40 @@ class Blockwise(Quantizer):
         else:
             zp = torch.full((), 2 ** (qw.bits - 1), dtype=dtype, device=codes.device)
         return ((codes - zp) * scale).reshape(out_f, in_f)
+
+
+def _round(w: torch.Tensor, bits: int, symmetric: bool, ratio: float):
+    """``(scale fp16 (O, G), zero point (O, G) or None, codes (O, G, B))`` of blocks ``w (O, G, B)`` whose range is
+    shrunk by ``ratio`` (1 = absmax or min/max); values outside the shrunk range clamp to its ends."""
+    qmax = 2**bits - 1
+    if symmetric:
+        half = 2 ** (bits - 1)
+        scale = (w.abs().amax(-1) * ratio / max(half - 1, 1)).half()
+        s = torch.where(scale > 0, scale, torch.ones_like(scale)).float().unsqueeze(-1)
+        return scale, None, (torch.round(w / s) + half).clamp_(0, qmax)
+    lo, hi = w.amin(-1).clamp(max=0) * ratio, w.amax(-1).clamp(min=0) * ratio
+    scale = ((hi - lo) / qmax).half()
+    s = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
+    zp = torch.round(-lo / s).clamp_(0, qmax)
+    return scale, zp, (torch.round(w / s.unsqueeze(-1)) + zp.unsqueeze(-1)).clamp_(0, qmax)
+
+
+def _values(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The dequantized blocks ``(O, G, B)``, as :meth:`Blockwise.dequantize` computes them."""
+    z = zp.unsqueeze(-1) if zp is not None else 2 ** (bits - 1)
+    return (codes - z) * scale.float().unsqueeze(-1)
+
+
+def _block_error(stats: dict[str, torch.Tensor], shape: tuple[int, int, int], device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``dw (O, G, B) -> (O, G)``: each block's output error, ``dw_b^T H_bb dw_b`` with the diagonal blocks of the input
+    Hessian, or the squared error weighted per element (``element_sq``) or per input channel (``input_sq``)."""
+    o, g, b = shape
+    if "hessian" in stats:
+        h = stats["hessian"].to(device=device, dtype=torch.float32).reshape(g, b, g, b)
+        hb = h.diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (G, B, B): block k's rows and columns
+        return lambda dw: torch.einsum("ogb,gbc,ogc->og", dw, hb, dw)
+    if "element_sq" in stats:
+        e = stats["element_sq"].to(device=device, dtype=torch.float32).reshape(o, g, b)
+        return lambda dw: (dw.square() * e).sum(-1)
+    d = stats["input_sq"].to(device=device, dtype=torch.float32).reshape(g, b) if "input_sq" in stats else 1.0
+    return lambda dw: (dw.square() * d).sum(-1)
