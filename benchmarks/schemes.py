@@ -328,15 +328,16 @@ def run_llmc(name: str, s: dict, calib_samples: int, work: Path, llmc_py: str, m
                                             + given, child_env())
     if rc:
         return {"error": f"ppl of llmc weights exit {rc}: {perr[-1500:]}"}
+    scored = last_json(pout)
     bits, g = s["bits"], s["group"]
     n_lin, n_all = info["linear_params"], info["all_params"]
     lin_bpw = bits + 32 / g  # fp16 scale + zero point per group (compressed-tensors pack-quantized)
     return {"bpw_model": (n_lin * lin_bpw + (n_all - n_lin) * 16) / n_all, "bpw_linear": lin_bpw,
-            "ppl": last_json(pout)["ppl"], "ppl_embedding8": last_json(pout)["ppl_embedding8"], "seconds": wall,
+            "ppl": scored["ppl"], "ppl_embedding8": scored["ppl_embedding8"], "seconds": wall,
             "cpu_seconds": cpu, "peak_rss_mb": rss, "ppl_seconds": pwall,
             "threads": env["OMP_NUM_THREADS"], "oneshot_seconds": info["oneshot_seconds"], "on_grid": info["on_grid"],
             "note": f"llm-compressor 0.14 oneshot; dequantized weights; embedding fp32 (bpw_model nominal: embedding "
-                    f"counted at 16); with qrecover's 8-bit embedding: ppl {last_json(pout)['ppl_embedding8']:.3f}"}
+                    f"counted at 16); with qrecover's 8-bit embedding: ppl {scored['ppl_embedding8']:.3f}"}
 
 
 def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path = MODEL_DIR) -> None:
@@ -405,8 +406,9 @@ def ppl_with(weights: str, model_dir: Path | None = None) -> None:
         result = api.perplexity(model, tok, show_progress=False)
         # the same linear weights with the embedding (and an untied head) as qrecover's uniform rows store it, so that
         # the two libraries' rows differ in their linear layers alone
-        for m in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings()) if e is not None}.values():
-            m.weight.copy_(embedding8(m.weight))
+        heads = (model.get_input_embeddings(), model.get_output_embeddings())
+        for w in {id(m.weight): m.weight for m in heads if m is not None}.values():  # a tied matrix once
+            w.copy_(embedding8(w))
         result["ppl_embedding8"] = api.perplexity(model, tok, show_progress=False)["ppl"]
     print(json.dumps(result))
 

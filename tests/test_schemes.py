@@ -570,7 +570,8 @@ def test_blockwise_clip_without_hessian_uses_element_weights():
     plain = get_quantizer("blockwise", block_size=16, symmetric=False).quantize(w, 3, {}).dequantize()
     for stats, weight in (({"element_sq": e}, e), ({"input_sq": e[0]}, e[0].expand(8, 32)), ({}, torch.ones(8, 32))):
         got = q.quantize(w, 3, stats).dequantize()
-        assert float(((w - got) ** 2 * weight).sum()) <= float(((w - plain) ** 2 * weight).sum())
+        e_got, e_plain = float(((w - got) ** 2 * weight).sum()), float(((w - plain) ** 2 * weight).sum())
+        assert e_got < 0.99 * e_plain, (stats.keys(), e_got, e_plain)
 
 
 # --- both: sizes and errors --------------------------------------------------------------------------------

@@ -74,23 +74,17 @@ class Blockwise(Quantizer):
         out_f, in_f = weight.shape
         b = self._block(tuple(weight.shape))
         w = weight.detach().float().reshape(out_f, in_f // b, b)
-        if self.config.clip:
+        scale, zp, codes = _round(w, bits, self.config.symmetric, CLIP_RATIOS[0])
+        if self.config.clip:  # per block, keep the ratio of least error (strictly less: a tie keeps the earlier one)
             error = _block_error(stats, w.shape, w.device)
-            best = None
-            for ratio in CLIP_RATIOS:
-                scale, zp, codes = _round(w, bits, self.config.symmetric, ratio)
-                err = error(w - _values(codes, scale, zp, bits))
-                if best is None:
-                    best, best_err = [scale, zp, codes], err
-                    continue
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                for i, t in enumerate((scale, zp, codes)):
-                    if t is not None:
-                        best[i] = torch.where(better.view(*better.shape, *[1] * (t.dim() - 2)), t, best[i])
-            scale, zp, codes = best
-        else:
-            scale, zp, codes = _round(w, bits, self.config.symmetric, 1.0)
+            best = error(w - _values(codes, scale, zp, bits))
+            for ratio in CLIP_RATIOS[1:]:
+                s, z, c = _round(w, bits, self.config.symmetric, ratio)
+                err = error(w - _values(c, s, z, bits))
+                better = err < best
+                best = torch.where(better, err, best)
+                scale, codes = torch.where(better, s, scale), torch.where(better.unsqueeze(-1), c, codes)
+                zp = None if zp is None else torch.where(better, z, zp)
         tensors = {"qdata": pack(codes.to(torch.uint8), bits), "scale": scale.contiguous()}
         if zp is not None:
             tensors["zero_point"] = pack(zp.to(torch.uint8), bits)
