@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from qrecover import kernels  # noqa: E402  (does not import triton)
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 from qrecover.kernels import reference  # noqa: E402
-from qrecover.kernels.lora import MultiAdapterLinear, add_lora  # noqa: E402
+from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora  # noqa: E402
 from qrecover.packing import packed_nbytes  # noqa: E402
 from qrecover.qlinear import QuantEmbedding, QuantLinear  # noqa: E402
 from qrecover.schemes import QuantizedWeight  # noqa: E402

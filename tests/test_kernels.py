@@ -26,7 +26,7 @@ from qrecover import kernels
 from qrecover.errors import QRecoverError
 from qrecover.kernels import KernelChoice, layer_format, reference, select
 from qrecover.kernels.formats import Config
-from qrecover.kernels.lora import MultiAdapterLinear, add_lora, lora_delta_reference, stack_adapters
+from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora, lora_delta_reference, stack_adapters
 from qrecover.packing import unpack
 from qrecover.qlinear import QuantLinear
 from qrecover.schemes import get_quantizer
@@ -49,7 +49,7 @@ def interp():
     old = os.environ.get("TRITON_INTERPRET")
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("qrecover.kernels.qmatmul", "qrecover.kernels.lora_kernels"):
+    for name in ("qrecover.kernels.qmatmul", "qrecover.kernels.multi_adapter_kernels"):
         if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
             importlib.reload(sys.modules[name])
     qmatmul = importlib.import_module("qrecover.kernels.qmatmul")
@@ -313,7 +313,7 @@ def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
     from peft import PeftModel
 
     from qrecover.api import load
-    from qrecover.kernels.lora import attach_adapters
+    from qrecover.kernels.multi_adapter import attach_adapters
 
     dirs = [_peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "v_proj"], 0),
             _peft_adapter(tiny_ckpt, tmp_path / "a1", 2, ["q_proj", "down_proj"], 1)]

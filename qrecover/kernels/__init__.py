@@ -12,7 +12,7 @@ Each distinct decision is logged once (logger ``qrecover.kernels``, level INFO).
 :meth:`QuantLinear.forward` calls :func:`linear` for CUDA inputs, so ``model = qrecover.load(ckpt);
 model.to("cuda")`` decodes with the fused kernels without any other change (the packed tensors are
 buffers and move with ``.to``). The kernels themselves live in :mod:`.qmatmul` (imported only when first
-used, so importing qrecover never needs triton) and the multi-adapter LoRA kernels in :mod:`.lora`.
+used, so importing qrecover never needs triton) and the multi-adapter LoRA kernels in :mod:`.multi_adapter`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import lora_kernels, qmatmul
+from . import multi_adapter_kernels, qmatmul
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         ("split-K reduce", qmatmul._splitk_reduce,
          {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "total": "i32", "N": "i32", "stride_os": "i32"},
          dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024)),
-        ("lora shrink r16", lora_kernels._shrink_kernel,
+        ("lora shrink r16", multi_adapter_kernels._shrink_kernel,
          {"x_ptr": "*fp16", "a_ptr": "*fp16", "idx_ptr": "*i64", "t_ptr": "*fp32", **{k: "i32" for k in (
              "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(R_PAD=16, BLOCK_K=256)),
-        ("lora expand r16", lora_kernels._expand_kernel,
+        ("lora expand r16", multi_adapter_kernels._expand_kernel,
          {"t_ptr": "*fp32", "b_ptr": "*fp16", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
           **{k: "i32" for k in ("N", "R", "stride_bn", "stride_bo", "stride_ym")}}, dict(R_PAD=16, BLOCK_N=128)),
     ]

@@ -1,4 +1,4 @@
-"""Triton shrink/expand kernels for per-token multi-adapter LoRA (see :mod:`qrecover.kernels.lora` for the layout).
+"""Triton shrink/expand kernels for per-token multi-adapter LoRA (see :mod:`qrecover.kernels.multi_adapter` for the layout).
 
 Both are BGMV-style: a program serves one token and reads that token's adapter by index, so a batch mixing
 any number of adapters (and ``-1`` for none) is two launches. A token with index ``-1`` loads nothing (its

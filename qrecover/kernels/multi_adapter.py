@@ -80,9 +80,9 @@ def lora_delta_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
 
 
 def _kernels():
-    from . import lora_kernels
+    from . import multi_adapter_kernels
 
-    return lora_kernels
+    return multi_adapter_kernels
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
