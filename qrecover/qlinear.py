@@ -36,6 +36,7 @@ class _Packed(nn.Module):
         self._tensor_names = tuple(qw.tensors)
         self.cache = cache
         self._dense: torch.Tensor | None = None
+        self._dispatch_dense: torch.Tensor | None = None  # the measured dispatch's dense copy (qrecover.kernels.dispatch)
         self.compute_dtype = torch.float32  # dtype of `weight` and of lookups; follows .half()/.to(dtype)
 
     def _apply(self, fn, recurse=True):
@@ -56,7 +57,7 @@ class _Packed(nn.Module):
                 store[n] = moved
         if probe.dtype != torch.float32 or probe16.dtype != torch.float16:  # a cast, not only a move
             self.compute_dtype = probe.dtype
-        self._dense = None
+        self._dense = self._dispatch_dense = None
         return self
 
     @property
@@ -105,7 +106,7 @@ class QuantLinear(_Packed, nn.Linear):
         return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # fused dequant-matmul kernel, or the same reference path (kernels.select decides)
+        if kernels.gpu_device(x.device):  # fused dequant-matmul kernel, a dense copy, or the reference path (kernels.select)
             return kernels.linear(self, x)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -124,7 +125,7 @@ class QuantLinear(_Packed, nn.Linear):
         for name, t in qw.tensors.items():
             self.register_buffer(name, t.to(device))
         self._tensor_names = tuple(qw.tensors)
-        self._dense = None
+        self._dense = self._dispatch_dense = None
 
 
 class QuantEmbedding(_Packed):

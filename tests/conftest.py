@@ -90,3 +90,11 @@ def text_mix(tmp_path_factory) -> Path:
     recipe = d / "mix.toml"
     recipe.write_text(f'[[source]]\nname = "docs"\nkind = "text"\npath = "{d}/*.txt"\nweight = 1.0\n')
     return recipe
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """The Triton kernel modules, built for triton's interpreter when there is no GPU (tests/kernel_helpers.py)."""
+    from kernel_helpers import interpreted_kernels
+
+    yield from interpreted_kernels()

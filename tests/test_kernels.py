@@ -11,7 +11,6 @@ pure and tested without triton. GPU-only tests are marked ``gpu``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import CUDA, DEV, make_layer, ref64, rel_err
 
 from qrecover import kernels
 from qrecover.errors import QRecoverError
@@ -28,53 +28,13 @@ from qrecover.kernels import KernelChoice, layer_format, reference, select
 from qrecover.kernels.formats import Config
 from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora, lora_delta_reference, stack_adapters
 from qrecover.packing import unpack
-from qrecover.qlinear import QuantLinear
-from qrecover.schemes import get_quantizer
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
 needs_triton = pytest.mark.skipif(
     not kernels.triton_available(),
     reason="triton is not installed: pip install 'qrecover[kernels]' (the kernel tests run on CPU under TRITON_INTERPRET=1)",
 )
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """The kernel modules, built for the interpreter when there is no GPU; the environment is restored after."""
-    if not kernels.triton_available():
-        pytest.skip("triton is not installed: pip install 'qrecover[kernels]'")
-    old = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("qrecover.kernels.qmatmul", "qrecover.kernels.multi_adapter_kernels"):
-        if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
-            importlib.reload(sys.modules[name])
-    qmatmul = importlib.import_module("qrecover.kernels.qmatmul")
-    assert qmatmul.interpreting() == (not CUDA)
-    yield qmatmul
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-
-
-def make_layer(scheme: str, bits: int, out_f: int, in_f: int, bias: bool = True, seed: int = 0, **params) -> QuantLinear:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out_f, in_f, generator=g)
-    qw = get_quantizer(scheme, **params).quantize(w, bits, {})
-    return QuantLinear(qw, bias=torch.randn(out_f, generator=g) if bias else None).to(DEV)
-
-
-def ref64(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    y = x.double() @ layer.dequantize(torch.float64).T
-    return y + layer.bias.double() if layer.bias is not None else y
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 FORMATS = (

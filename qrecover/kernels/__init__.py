@@ -1,12 +1,19 @@
 """Fused kernels for packed layers, and the one place that decides whether to use them.
 
-:func:`select` picks, for a :class:`~qrecover.qlinear.QuantLinear`, a device and a batch size:
+:func:`select` picks, for a :class:`~qrecover.qlinear.QuantLinear`, a device, a batch size and a dtype:
 
 - ``"gemv"``: the fused dequantize-matmul kernel's split-K path (batch <= 16, decoding),
 - ``"tiled"``: its ``tl.dot`` tile path (batch > 16, prefill),
-- ``"reference"``: ``F.linear(x, layer.dequantize(x.dtype), bias)`` (:mod:`.reference`), when the device
-  is not CUDA, ``QRECOVER_KERNELS=0``, triton is not installed (``pip install 'qrecover[kernels]'``), or the
-  layer's format/shape is not one the kernel reads (see :func:`layer_format`).
+- ``"dense"``: a dense copy dequantized once, then ``F.linear`` (cuBLAS): what the measured policy
+  (:mod:`.dispatch`) keeps where it timed faster than the fused kernel,
+- ``"reference"``: ``F.linear(x, layer.dequantize(x.dtype), bias)`` (:mod:`.reference`; it reads the layer's
+  dense cache when it has one), when the device is not CUDA, ``QRECOVER_KERNELS=0``, triton is not installed
+  (``pip install 'qrecover[kernels]'``), the layer's format/shape is not one the kernel reads (see
+  :func:`layer_format`), autograd needs the input's gradient, the model is training, or the layer holds a
+  dense cache.
+
+``QRECOVER_KERNELS``: unset (or ``auto``) measures; ``1`` forces the fused kernel wherever it can run (not when
+autograd needs the input's gradient: the kernels have no backward); ``0`` forces the reference path.
 
 Each distinct decision is logged once (logger ``qrecover.kernels``, level INFO).
 :meth:`QuantLinear.forward` calls :func:`linear` for CUDA inputs, so ``model = qrecover.load(ckpt);
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QRecoverError
-from . import reference
+from . import dispatch, reference
 from .formats import BLOCKWISE, PALETTIZE, Format
 
 logger = logging.getLogger("qrecover.kernels")
@@ -40,19 +47,40 @@ _logged: set[tuple] = set()
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """What :func:`select` decided: ``name`` in {"gemv", "tiled", "reference"}, and why."""
+    """What :func:`select` decided: ``name`` in {"gemv", "tiled", "dense", "reference"}, and why.
+
+    ``pending``: a fused choice not yet measured against the dense path (:func:`linear` measures it).
+    """
 
     name: str
     reason: str
+    pending: bool = False
 
     @property
     def fused(self) -> bool:
-        return self.name != "reference"
+        return self.name in ("gemv", "tiled")
+
+
+def mode() -> str:
+    """``QRECOVER_KERNELS``: "0" (reference path), "1" (fused wherever it can run) or "auto" (unset: measured)."""
+    value = os.environ.get("QRECOVER_KERNELS", "auto").strip().lower()
+    return value if value in ("0", "1") else "auto"
 
 
 def enabled() -> bool:
     """False when the environment variable ``QRECOVER_KERNELS`` is ``0`` (force the reference path)."""
-    return os.environ.get("QRECOVER_KERNELS", "1").strip() != "0"
+    return mode() != "0"
+
+
+def gpu_device(device: torch.device) -> bool:
+    """True for a device the fused kernels run on (CUDA). Tests patch it to reach the kernel path on CPU."""
+    return device.type == "cuda"
+
+
+def is_training(layer, x: torch.Tensor) -> bool:
+    """The module is in training mode (``model.train()``; also under ``no_grad``, e.g. a check forward inside a training
+    step), or grad is enabled and the input or a parameter of the module needs it. ``model.eval()`` for inference."""
+    return layer.training or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())))
 
 
 @functools.cache
@@ -81,43 +109,71 @@ def layer_format(layer) -> Format | str:
     return Format(PALETTIZE if scheme == "palettize" else BLOCKWISE, bits, out_f, in_f, group, cblock, has_zp)
 
 
-def select(layer, device: torch.device | str, batch: int) -> KernelChoice:
-    """The kernel for ``layer`` run on ``device`` with ``batch`` rows (tokens) of input. Pure decision; logs once."""
+def select(layer, device: torch.device | str, batch: int, dtype: torch.dtype | None = None, training: bool = False,
+           needs_grad: bool = False) -> KernelChoice:
+    """The kernel for ``layer`` run on ``device`` with ``batch`` rows (tokens) of input in ``dtype``; logs once.
+
+    ``training``: the model is training (:func:`is_training`); ``needs_grad``: autograd needs the input's gradient.
+    A fused choice that the measured policy has not decided yet comes back ``pending``; one it decided comes
+    back as it decided ("dense" or the fused path).
+    """
     device = torch.device(device)
     fmt = layer_format(layer)
-    if device.type != "cuda":
+    forced = mode()
+    fused_name = "gemv" if batch <= GEMV_MAX_BATCH else "tiled"
+    fused_why = (f"batch {batch} <= {GEMV_MAX_BATCH}: split-K GEMV" if batch <= GEMV_MAX_BATCH
+                 else f"batch {batch} > {GEMV_MAX_BATCH}: tiled tl.dot")
+    dense = layer.cache or layer._dense is not None  # the layer keeps (or will keep) a dense cache: cuBLAS on it
+    if not gpu_device(device):
         choice = KernelChoice("reference", f"device {device.type} (fused kernels run on CUDA)")
-    elif not enabled():
+    elif forced == "0":
         choice = KernelChoice("reference", "QRECOVER_KERNELS=0")
     elif not triton_available():
         choice = KernelChoice("reference", "triton is not installed; pip install 'qrecover[kernels]'")
     elif isinstance(fmt, str):
         choice = KernelChoice("reference", fmt)
-    elif batch <= GEMV_MAX_BATCH:
-        choice = KernelChoice("gemv", f"batch {batch} <= {GEMV_MAX_BATCH}: split-K GEMV")
+    elif needs_grad:
+        choice = KernelChoice("reference", "autograd needs the input's gradient (the kernels have no backward)")
+    elif forced == "1":
+        choice = KernelChoice(fused_name, f"QRECOVER_KERNELS=1; {fused_why}")
+    elif training:
+        choice = KernelChoice("reference", "training: the dense path")
+    elif dense:
+        choice = KernelChoice("reference", "the layer holds a dense cache (cache=True)")
     else:
-        choice = KernelChoice("tiled", f"batch {batch} > {GEMV_MAX_BATCH}: tiled tl.dot")
-    key = (layer.scheme, layer.bits, tuple(layer.shape), device.type, choice.name)
-    if key not in _logged:
-        _logged.add(key)
+        decided = dispatch.DECISIONS.get(dispatch.key(fmt, batch, dtype or torch.float16, device))
+        if decided is None:
+            choice = KernelChoice(fused_name, f"{fused_why}; to be timed against the dense path", pending=True)
+        elif decided == "dense":
+            choice = KernelChoice("dense", "measured faster than the fused kernel")
+        else:
+            choice = KernelChoice(fused_name, f"{fused_why}; measured faster than the dense path")
+    log_key = (layer.scheme, layer.bits, tuple(layer.shape), device.type, choice.name, choice.pending)
+    if log_key not in _logged:
+        _logged.add(log_key)
         logger.info("%s %d-bit %s on %s, batch %d: %s (%s)", layer.scheme, layer.bits, tuple(layer.shape),
                     device.type, batch, choice.name, choice.reason)
     return choice
 
 
 def linear(layer, x: torch.Tensor) -> torch.Tensor:
-    """``x (..., I) -> (..., O)`` through the kernel :func:`select` picks; the reference path when autograd
-    needs the input's gradient (the kernels have no backward)."""
+    """``x (..., I) -> (..., O)`` through the path :func:`select` picks, timing a pending one first (:mod:`.dispatch`)."""
     batch = x.numel() // x.shape[-1] if x.numel() else 0
-    if batch == 0 or (torch.is_grad_enabled() and x.requires_grad):
+    if batch == 0:
         return reference.linear(layer, x)
-    if not select(layer, x.device, batch).fused:
+    choice = select(layer, x.device, batch, x.dtype, training=is_training(layer, x),
+                    needs_grad=torch.is_grad_enabled() and x.requires_grad)
+    if choice.pending:
+        choice = KernelChoice("dense" if dispatch.measure(layer, x, layer_format(layer), lambda v: fused_linear(layer, v))
+                              == "dense" else choice.name, "measured")
+    if choice.name == "dense":
+        w = dispatch.dense_weight(layer, x.dtype, x.device)
+        if w is not None:
+            return dispatch.dense_linear(layer, x, w)
+        choice = KernelChoice("gemv" if batch <= GEMV_MAX_BATCH else "tiled", "no memory for a dense copy")
+    if not choice.fused:
         return reference.linear(layer, x)
-    from .qmatmul import quant_matmul  # triton: an optional dependency, imported at first use
-
-    tensors = {n: getattr(layer, n) for n in layer._tensor_names}
-    y = quant_matmul(x.reshape(batch, x.shape[-1]), layer_format(layer), tensors, layer.bias)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return fused_linear(layer, x)
 
 
 def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
@@ -134,4 +190,5 @@ def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
     y = quant_matmul(x.reshape(batch, x.shape[-1]), fmt, tensors, layer.bias, config)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
-__all__ = ["KernelChoice", "select", "linear", "fused_linear", "layer_format", "enabled", "reference"]
+__all__ = ["KernelChoice", "select", "linear", "fused_linear", "layer_format", "enabled", "mode", "gpu_device", "is_training",
+           "dispatch", "reference"]

@@ -1,0 +1,143 @@
+"""The measured dispatch (qrecover.kernels.select/linear + qrecover.kernels.dispatch) with an injected timer.
+
+The fused path is made reachable on CPU by patching ``kernels.gpu_device`` (the device check), the kernels then
+running under triton's interpreter. Checked: the policy keeps the faster measured path per batch bucket and
+dtype and times each kind once; a layer keeps its dense copy only when the dense path wins and memory allows;
+training, a dense cache and ``QRECOVER_KERNELS=0/1`` override it; and a recovery training step of the tiny
+model with LoRA makes no fused-kernel call while the same model in inference does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from kernel_helpers import make_layer, ref64, rel_err
+
+from qrecover import kernels
+from qrecover.api import load
+from qrecover.kernels import dispatch
+from qrecover.recovery.config import RecoverConfig
+from qrecover.recovery.lora import attach_lora
+from qrecover.recovery.objective import step_loss
+
+
+class FakeTimer:
+    """``timer(name, fn)``: runs ``fn`` (so the timed closures are checked), records the call, returns a set time."""
+
+    def __init__(self, times: dict[int, dict[str, float]]):
+        self.times, self.calls, self.outputs = times, [], {}
+
+    def __call__(self, name, fn):
+        out = fn()
+        bucket = dispatch.bucket(out.numel() // out.shape[-1])
+        self.calls.append((bucket, name))
+        self.outputs[(bucket, name)] = out
+        return self.times[bucket][name]
+
+
+@pytest.fixture
+def on_gpu(monkeypatch, interp):
+    """Every device counts as a GPU for the dispatch; fresh decisions; fused calls counted."""
+    monkeypatch.setattr(kernels, "gpu_device", lambda device: True)
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.delenv("QRECOVER_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "DECISIONS", {})
+    fused_calls = []
+    real = interp.quant_matmul
+    monkeypatch.setattr(interp, "quant_matmul", lambda *a, **k: fused_calls.append(a[0].shape[0]) or real(*a, **k))
+    return fused_calls
+
+
+def test_policy_keeps_the_faster_measured_path_per_bucket(on_gpu, monkeypatch):
+    timer = FakeTimer({1: {"fused": 1.0, "dense": 2.0}, 32: {"fused": 3.0, "dense": 1.0}})
+    monkeypatch.setattr(dispatch, "timer", timer)
+    layer = make_layer("palettize", 3, 48, 64)
+    with torch.no_grad():
+        x1, x20 = torch.randn(1, 64), torch.randn(20, 64)
+        assert rel_err(layer(x1), ref64(layer, x1)) < 1e-5
+        assert layer._dispatch_dense is None  # fused won at batch 1: the copy made for timing is dropped
+        assert rel_err(layer(x20), ref64(layer, x20)) < 1e-5
+        assert layer._dispatch_dense is not None  # dense won at batch 20 (bucket 32): the layer keeps it
+        for key, out in timer.outputs.items():  # both timed closures computed the layer's output
+            x = x1 if key[0] == 1 else x20
+            assert rel_err(out, ref64(layer, x)) < 1e-5, key
+        assert timer.calls == [(1, "fused"), (1, "dense"), (32, "fused"), (32, "dense")]
+        n_fused = len(on_gpu)
+        layer(x1), layer(torch.randn(17, 64)), layer(x20)  # decided: no more timing
+        assert timer.calls == [(1, "fused"), (1, "dense"), (32, "fused"), (32, "dense")]
+        assert len(on_gpu) == n_fused + 1  # batch 1 fused; bucket 32 on the dense copy
+        assert kernels.select(layer, "cpu", 20, torch.float32).name == "dense"
+        assert kernels.select(layer, "cpu", 1, torch.float32).name == "gemv"
+        assert kernels.select(layer, "cpu", 1, torch.float16).pending  # another dtype is another decision
+        monkeypatch.setattr(dispatch, "DECISIONS", {})
+        timer.times[1] = {"fused": 5.0, "dense": 1.0}
+        layer(x1)
+        assert timer.calls[-1] == (1, "dense") and dispatch.DECISIONS[dispatch.key(kernels.layer_format(layer), 1, torch.float32,
+                                                                                    x1.device)] == "dense"
+
+
+def test_dense_copy_needs_memory_and_decisions_are_shared_by_shape(on_gpu, monkeypatch):
+    monkeypatch.setattr(dispatch, "timer", FakeTimer({4: {"fused": 3.0, "dense": 1.0}}))
+    first, second = make_layer("blockwise", 4, 40, 64, block_size=32), make_layer("blockwise", 4, 40, 64, block_size=32, seed=1)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        first(x)
+        assert first._dispatch_dense is not None
+        monkeypatch.setattr(dispatch, "free_memory", lambda device: 40 * 64 * 4 * 3)  # a copy would exceed a quarter
+        n = len(on_gpu)
+        assert rel_err(second(x), ref64(second, x)) < 1e-5  # decided "dense", no room: runs fused, not timed again
+        assert second._dispatch_dense is None and len(on_gpu) == n + 1
+        monkeypatch.setattr(dispatch, "DECISIONS", {})
+        third = make_layer("blockwise", 4, 40, 64, block_size=32, seed=2)
+        third(x)  # no room for a dense copy: only the fused path is timed
+        assert dispatch.timer.calls[-1] == (4, "fused") and third._dispatch_dense is None
+        first.to(torch.float32)  # .to() drops the dispatch's copy
+        assert first._dispatch_dense is None
+
+
+def test_training_dense_cache_and_env_override_the_measurement(on_gpu, monkeypatch):
+    timer = FakeTimer({1: {"fused": 1.0, "dense": 2.0}})
+    monkeypatch.setattr(dispatch, "timer", timer)
+    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(1, 64)
+    layer.train()
+    layer(x)  # grad enabled and the module in training mode: reference, nothing timed, nothing fused
+    assert not on_gpu and not timer.calls
+    assert kernels.select(layer, "cpu", 1, torch.float32, training=True).reason == "training: the dense path"
+    layer.eval()
+    cached = make_layer("palettize", 4, 32, 64)
+    cached.cache = True
+    with torch.no_grad():
+        cached(x)
+        assert not on_gpu and not timer.calls and cached._dense is not None
+        monkeypatch.setenv("QRECOVER_KERNELS", "1")  # forced: fused, even in training mode, never timed
+        cached(x)
+        layer.train()
+        layer(x)
+        assert len(on_gpu) == 2 and not timer.calls
+        monkeypatch.setenv("QRECOVER_KERNELS", "0")
+        layer.eval()
+        layer(x)
+        assert len(on_gpu) == 2 and not timer.calls
+    monkeypatch.setenv("QRECOVER_KERNELS", "1")
+    assert kernels.select(layer, "cpu", 1, torch.float32, needs_grad=True).name == "reference"  # no backward
+
+
+def test_recovery_training_step_makes_no_fused_call(on_gpu, monkeypatch, tiny_ckpt):
+    """One recovery step (LoRA on the tiny compressed model, the recovery loss, backward, optimizer step): the
+    dense path everywhere. The same model in inference does reach the fused kernel, so the count can fail."""
+    monkeypatch.setattr(dispatch, "timer", lambda name, fn: {"fused": 1.0, "dense": 2.0}[name])
+    model = attach_lora(load(tiny_ckpt), rank=4)
+    cfg = RecoverConfig(objective="ce", loss_chunk=8)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    loss = step_loss(model, None, ids, ids.clone(), cfg, contextlib.nullcontext)
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and not on_gpu
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids[:1, :1])
+    assert len(on_gpu) >= 7  # every quantized projection of a layer, batch 1
