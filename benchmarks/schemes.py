@@ -115,6 +115,20 @@ ROWS: dict[str, dict] = {
                          "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "mixed-blocks-3.7-calibmix": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
                                   "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"], "calib_data": "calib-mix"},
+    # rotations (issue 25): R1 + R2 fused into the weights (qrecover.transforms.rotate), same settings as the rows above;
+    # rot = randomised Kronecker/Paley Hadamard, rot-block = block-diagonal Hadamard, rot-random = random orthogonal
+    "rot-gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "rot+gptq:3/g64/asym/act_order=true"},
+    "rot-rtn-w3g64": {"kind": "qrecover", "encodings": "rot+blockwise:3/b64/asym"},
+    "rotblock-rtn-w3g64": {"kind": "qrecover", "encodings": "rot-block+blockwise:3/b64/asym"},
+    "rotrandom-rtn-w3g64": {"kind": "qrecover", "encodings": "rot-random+blockwise:3/b64/asym"},
+    "rot-mixed-blocks-3.7": {"kind": "qrecover", "encodings": "rot+" + PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
+                             "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
+    "rot-gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "rot+gptq:4/g64/asym/act_order=true"},
+    "rot-rtn-w4g64": {"kind": "qrecover", "encodings": "rot+blockwise:4/b64/asym"},
+    "rot-palettize-4": {"kind": "qrecover", "encodings": "rot+palettize:4"},
+    "rot-palettize-3": {"kind": "qrecover", "encodings": "rot+palettize:3"},
+    "gptq-w2g64-actorder": {"kind": "qrecover", "encodings": "gptq:2/g64/asym/act_order=true"},
+    "rot-gptq-w2g64-actorder": {"kind": "qrecover", "encodings": "rot+gptq:2/g64/asym/act_order=true"},
 }
 
 

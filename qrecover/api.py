@@ -35,6 +35,7 @@ from .stages.transform import apply_transforms, transforms_of
 from .stages.write import bpw as _bpw
 from .stages.write import write_checkpoint
 from .transforms import get_transform
+from .transforms.rotate import attach_online
 
 
 def _fits(c: Encoding, shape: tuple[int, int]) -> bool:
@@ -469,6 +470,7 @@ def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: st
     missing = [k for k in missing if not any(k.startswith(f"{n}.") for n in manifest["layers"])]
     if missing or unexpected:
         raise QRecoverError(f"checkpoint {str(path)!r} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    attach_online(model, manifest.get("transforms", {}).get("online"))  # e.g. rot on a tied head: the final norm
     model.eval()
     model.qrecover_manifest = manifest
     if adapter is not None:

@@ -1,5 +1,7 @@
 """Stage ``transform`` (optional): apply the function-preserving transforms the chosen encodings name
-(``awq+gptq:4/g64``), layer by layer, before any statistics are collected.
+(``awq+gptq:4/g64``, ``rot+gptq:3/g64``), before any statistics are collected: model-level ones (rotations)
+first, then layer-wise ones (AWQ) layer by layer. A model-level transform's ``online`` part (a rotation
+that must run at inference, e.g. a tied head's final norm) is recorded under ``online`` for ``qrecover.load``.
 
 Transforms are model-level: the model is transformed once and every candidate, with or without the
 transform in its spec, then quantizes the transformed weights (the manifest records this). The search of a
@@ -59,12 +61,22 @@ def apply_transforms(model: nn.Module, windows: torch.Tensor, encodings: Sequenc
     tfs = {n: get_transform(n) for n in names}
     for t in tfs.values():
         t.check(model)
-    fns = {n: search_quantize_fn(next(e for e in encodings if n in e.transforms)) for n in names}
+    # model-level transforms (rotations) first: data-free, and every layer-wise search then sees their result
+    summary: dict[str, Any] = {n: t.apply_model(model, device) for n, t in tfs.items() if t.model_level}
+    online = {k: v for n in summary for k, v in summary[n].get("online", {}).items()}
+    tfs = {n: t for n, t in tfs.items() if not t.model_level}
+    info = {"names": names, "applies_to": "every candidate (the transform is model-level: applied once, "
+            "before calibration, so every encoding quantizes the transformed weights)",
+            "search_quantizer": {n: next(e.label for e in encodings if n in e.transforms) for n in tfs},
+            "layers": summary, **({"online": online} if online else {})}
+    if not tfs:
+        return info
+    fns = {n: search_quantize_fn(next(e for e in encodings if n in e.transforms)) for n in tfs}
     layers = decoder_layers(model)
     hidden, kwargs = capture_inputs(model, windows, device)
-    summary: dict[str, list[Any]] = {n: [] for n in names}
+    summary.update({n: [] for n in tfs})
     with progress() as bar:
-        task = bar.add_task(f"transform ({'+'.join(names)}): decoder layers", total=len(layers), visible=show_progress)
+        task = bar.add_task(f"transform ({'+'.join(tfs)}): decoder layers", total=len(layers), visible=show_progress)
         for layer in layers:
             with resident(model, layer, device, keep=True):  # the fold lasts (lazily: in a scratch file)
                 for n, t in tfs.items():
@@ -72,7 +84,4 @@ def apply_transforms(model: nn.Module, windows: torch.Tensor, encodings: Sequenc
                         summary[n].append(t.apply_layer(layer, hidden, kwargs, fns[n]))
                 hidden = forward_layer(layer, hidden, kwargs)
             bar.advance(task)
-    return {"names": names, "applies_to": "every candidate (the transform is model-level: applied once, "
-            "before calibration, so every encoding quantizes the transformed weights)",
-            "search_quantizer": {n: next(e.label for e in encodings if n in e.transforms) for n in names},
-            "layers": summary}
+    return info

@@ -14,6 +14,11 @@ linear layers quantize with less damage. It is one class registered by name, lik
 
 The compress pipeline calls ``apply_layer`` layer by layer, before it collects that layer's statistics, so
 each layer is searched on inputs produced by the already transformed layers before it.
+
+A transform with ``model_level = True`` (a rotation of the residual stream, which every layer reads and
+writes) implements ``apply_model(model, device)`` instead: it needs no calibration data, runs before every
+layer-wise transform, and returns the manifest's summary (including anything :func:`qrecover.load` must
+re-attach, under ``"online"``).
 """
 
 from __future__ import annotations
@@ -33,12 +38,16 @@ class Transform:
     """Base class of function-preserving transforms; see the module docstring for the contract."""
 
     name: ClassVar[str]
+    model_level: ClassVar[bool] = False
 
     def check(self, model: nn.Module) -> None:
         """Raise QRecoverError if this transform cannot be applied to ``model``."""
 
     def apply_layer(self, layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict[str, Any]],
                     quantize_fn: QuantizeFn) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def apply_model(self, model: nn.Module, device: torch.device | str) -> dict[str, Any]:
         raise NotImplementedError
 
 

@@ -1,0 +1,175 @@
+"""Rotations (qrecover.transforms.rotate / .hadamard): every Hadamard order built is exactly Hadamard and every
+rotation orthogonal in float64; R1 + R2 fused into the weights preserve the logits (float64) on tiny random
+models of every supported architecture (tied heads via the online final norm, Gemma's (1 + w) norms, q/k/v
+biases, q/k norms, fused qkv / gate_up, MoE experts fused and unfused); architectures it cannot fold and
+unknown rotation names are one-line errors, exit 2, before any work; a rotated checkpoint reloads with the
+in-memory compressed model's logits."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers as T
+from cli_helpers import run as cli
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qrecover.api import compress, load, prepare
+from qrecover.config import CompressConfig
+from qrecover.errors import QRecoverError
+from qrecover.models import default_model_dir
+from qrecover.moe import unfuse_experts
+from qrecover.qlinear import _Packed
+from qrecover.transforms import get_transform
+from qrecover.transforms.hadamard import KINDS, factors, hadamard, rotation
+from qrecover.transforms.rotate import OnlineRotation, check_model, final_norm
+
+BASE = dict(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+# hidden 48 = 12 x 4 (a Paley factor, as the default model's 576 = 72 x 8); head_dim 12 (Paley I, q = 11)
+ARCHS = {
+    "llama": (T.LlamaConfig, dict(tie_word_embeddings=True)),
+    "qwen2": (T.Qwen2Config, dict(tie_word_embeddings=False)),  # q/k/v biases
+    "qwen3": (T.Qwen3Config, dict(tie_word_embeddings=True, head_dim=12)),  # q/k norms
+    "gemma": (T.GemmaConfig, dict(tie_word_embeddings=True, head_dim=12)),  # (1 + w) norms, sqrt(hidden) scale
+    "phi3": (T.Phi3Config, dict(tie_word_embeddings=False, pad_token_id=0)),  # fused qkv_proj, gate_up_proj
+    "mistral": (T.MistralConfig, dict(tie_word_embeddings=False)),
+    "granite": (T.GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=2.0, residual_multiplier=0.5)),
+    "smollm3": (T.SmolLM3Config, dict(tie_word_embeddings=True, pad_token_id=0)),
+    "mixtral": (T.MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (T.Qwen2MoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, shared_expert_intermediate_size=48)),
+}
+REFUSED = {"gemma2": (T.Gemma2Config, dict(head_dim=12), "Gemma2DecoderLayer"),
+           "olmo2": (T.Olmo2Config, {}, "Olmo2DecoderLayer"), "phi": (T.PhiConfig, {}, "PhiDecoderLayer"),
+           "cohere": (T.CohereConfig, {}, "CohereDecoderLayer")}
+
+
+def _model(cls, extra, dtype=torch.float64):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cls(**{**BASE, **extra}), dtype=dtype, experts_implementation="eager").eval()
+    with torch.no_grad():  # norms and biases away from their 0/1 init: folding them must matter
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("n", [2, 4, 12, 20, 28, 36, 48, 64, 72, 192, 576, 1536])
+def test_hadamard_orders_exact(n):
+    h = hadamard(n)
+    assert h.dtype == torch.float64 and bool((h.abs() == 1).all())
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+    assert math.prod(factors(n)) == n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [12, 48, 64, 576, 1536])
+def test_rotations_orthogonal(kind, n):
+    r = rotation(n, kind, seed=3)
+    assert (r @ r.T - torch.eye(n, dtype=torch.float64)).abs().max() < 1e-12
+    assert torch.equal(r, rotation(n, kind, seed=3)) and not torch.equal(r, rotation(n, kind, seed=4))
+    if kind == "block":  # 576 = 9 blocks of 64: nothing mixes across blocks
+        b = n & -n
+        assert r[:b, b:].abs().max() == 0 if n != b else True
+
+
+def test_no_hadamard_for_an_odd_order():
+    with pytest.raises(QRecoverError, match="no Hadamard matrix of order 9"):
+        hadamard(9)
+
+
+@pytest.mark.parametrize("tf", ["rot", "rot-block", "rot-random", "rot1"])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_fused_rotation_preserves_logits(name, tf):
+    model = _model(*ARCHS[name])
+    if name in ("mixtral", "qwen2_moe") and tf == "rot":
+        unfuse_experts(model)  # as compress sees them: nn.Linear pairs (the other kinds fold the fused tensors)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    info = get_transform(tf).apply_model(model, "cpu")
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    # float64 models; some RMSNorms (Gemma's, Granite's) compute in float32 even then: 1e-6 (measured <= 2e-7;
+    # a wrong fold is O(1))
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name
+    emb = model.get_input_embeddings().weight
+    assert not torch.allclose(emb, ref.get_input_embeddings().weight)  # the embedding's rows are rotated
+    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
+    offset = 1.0 if name == "gemma" else 0.0
+    assert torch.all(layer.input_layernorm.weight == 1 - offset)  # the scale is in the weights now
+    v = "v_proj" if hasattr(layer.self_attn, "v_proj") else "qkv_proj"
+    changed = not torch.allclose(getattr(layer.self_attn, v).weight, getattr(ref_layer.self_attn, v).weight)
+    assert changed and info["tied_head"] == ARCHS[name][1]["tie_word_embeddings"]
+    assert (info["r2"] is None) == (tf == "rot1")
+    assert bool(info["online"]) == info["tied_head"]
+    if not info["tied_head"]:
+        assert torch.all(final_norm(model).weight == 1 - offset)
+
+
+def test_online_rotation_is_the_norm_unrotated():
+    norm = T.models.llama.modeling_llama.LlamaRMSNorm(12).double()
+    norm.weight.data = torch.randn(12, dtype=torch.float64)
+    x, r = torch.randn(5, 12, dtype=torch.float64), rotation(12, "hadamard", 0)
+    want = norm(x) @ r
+    OnlineRotation(norm, r)
+    assert torch.allclose(norm(x @ r), want, atol=1e-6)  # the hooks run in the input's dtype; r is kept fp32
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unfoldable_architecture_refused(name):
+    cls, extra, layer = REFUSED[name]
+    with pytest.raises(QRecoverError, match=f"rot cannot fold {layer}") as e:
+        check_model(_model(cls, extra))
+    assert "\n" not in str(e.value) and "drop rot+" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = _model(T.LlamaConfig, dict(tie_word_embeddings=True, vocab_size=49152, hidden_size=64, head_dim=16), dtype=torch.float32)
+    model.save_pretrained(d)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(d)
+    return d
+
+
+def test_cli_refuses_unknown_rotation_and_unfoldable_model(tmp_path, tiny_dir, capsys):
+    out = tmp_path / "out"
+    code, _, err = cli(["compress", "--model", str(tiny_dir), "--encodings", "rotx+gptq:3/g64", "--out", str(out)], capsys)
+    assert code == 2 and "unknown transform 'rotx'" in err and not out.exists()
+    g2 = tmp_path / "g2"
+    _model(T.Gemma2Config, dict(head_dim=12, vocab_size=49152), dtype=torch.float32).save_pretrained(g2)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(g2)
+    code, _, err = cli(["compress", "--model", str(g2), "--encodings", "rot+gptq:4/g16", "--out", str(out)], capsys)
+    assert code == 2 and "rot cannot fold Gemma2DecoderLayer" in err and not out.exists()
+
+
+def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir):
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+gptq:4/g16", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    prepared = prepare(cfg, show_progress=False, lazy=False)
+    rotated = copy.deepcopy(prepared.model)  # the in-memory rotated model (online final norm included)
+    manifest = compress(cfg, out=tmp_path / "q", prepared=prepared, show_progress=False)
+    assert manifest["transforms"]["online"]["model.norm"]["size"] == 64  # tied head: the final norm runs un-rotated
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(2))
+    orig = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    q = load(tmp_path / "q")
+    with torch.no_grad():
+        assert _rel(rotated(ids).logits, orig(ids).logits) < 1e-5  # the fused rotation preserves the function
+        for p in rotated.parameters():  # the remainder (norms) is stored in 16 bits
+            p.data = p.data.half().float()
+        for n, m in q.named_modules():  # the in-memory model with the stored (dequantized) weights
+            if isinstance(m, _Packed):
+                rotated.get_submodule(n).weight.data = m.dequantize()
+        got, exact = q(ids).logits, rotated(ids).logits
+        bare = load(tmp_path / "q")
+        bare.model.norm._forward_pre_hooks.clear(), bare.model.norm._forward_hooks.clear()
+        without = bare(ids).logits
+    assert torch.all(q.model.norm.weight != 1)  # tied: the final norm keeps its scale
+    assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 0.1  # the re-attached hooks are what makes it exact
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
