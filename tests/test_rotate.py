@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from qrecover.api import compress, load, prepare
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
+from qrecover.export import export
 from qrecover.models import default_model_dir
 from qrecover.moe import unfuse_experts
 from qrecover.qlinear import _Packed
@@ -168,6 +169,11 @@ def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir
         bare.model.norm._forward_pre_hooks.clear(), bare.model.norm._forward_hooks.clear()
         without = bare(ids).logits
     assert torch.all(q.model.norm.weight != 1)  # tied: the final norm keeps its scale
+    for fmt in ("gguf", "coreml", "compressed-tensors"):  # no format holds the online final-norm rotation: refused
+        with pytest.raises(QRecoverError, match=f"runs an online rotation at model.norm .*--format {fmt} cannot hold it: "
+                                                "compress without rot\\+") as e:
+            export(tmp_path / "q", fmt, tmp_path / fmt)
+        assert "\n" not in str(e.value) and not (tmp_path / fmt).exists()
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 0.1  # the re-attached hooks are what makes it exact
 
 

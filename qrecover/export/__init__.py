@@ -65,6 +65,10 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
                             "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
+    if online := ckpt.manifest.get("transforms", {}).get("online"):
+        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {', '.join(online)} (rot+ on a tied head: the final "
+                            f"norm runs un-rotated); --format {fmt} cannot hold it: compress without rot+ in --encodings, or load it "
+                            "with qrecover.load")
     if ckpt.manifest.get("moe", {}).get("unfused"):
         raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
                             f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "
