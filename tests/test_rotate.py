@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 import transformers as T
-from safetensors.torch import load_file
 from cli_helpers import run as cli
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qrecover.api import compress, load, prepare
