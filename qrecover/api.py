@@ -18,6 +18,7 @@ from .allocate import Choice
 from .checkpoint import FORMAT_VERSION, read_packed
 from .config import CompressConfig
 from .data import token_windows
+from .distributed import SINGLE, join, local_device
 from .errors import QRecoverError
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
@@ -28,7 +29,7 @@ from .recovery.mix import calibration_windows
 from .sensitivity import METHOD, linear_damage
 from .stages.allocation import Budget, Infeasible, choose
 from .stages.calibrate import gradients, layer_pass, plan_stats
-from .stages.candidates import embedding_stats, quantize_unit
+from .stages.candidates import embedding_stats, quantize_shared
 from .stages.finalize import finalize
 from .stages.specs import Encoding, embedding_encodings, linear_encodings
 from .stages.transform import apply_transforms, transforms_of
@@ -62,10 +63,10 @@ def _encodings(cfg: CompressConfig) -> tuple[list[Encoding], list[Encoding]]:
 def resolve_device(spec: str) -> torch.device:
     """``--device`` -> a torch device: 'auto' is CUDA when available, else the CPU."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if spec.startswith("cuda") and not torch.cuda.is_available():
         raise QRecoverError(f"--device {spec}: CUDA is not available here; use --device cpu or auto")
-    return torch.device(spec)
+    return local_device(torch.device(spec))  # under torchrun: cuda:LOCAL_RANK
 
 
 def _check_linears(model: nn.Module, linears: dict[str, nn.Module]) -> None:
@@ -134,6 +135,9 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     ``Prepared.model`` holds its decoder layers on the meta device: it cannot run as a whole."""
     t0 = time.time()
     lin_encs, emb_all = _encodings(cfg)
+    group = join()  # under torchrun: windows and candidates shared out, statistics reduced (qrecover.distributed)
+    if cfg.calib_samples < group.size:
+        raise QRecoverError(f"--calib-samples {cfg.calib_samples} is fewer than the {group.size} processes; give at least one window per process")
     device = resolve_device(cfg.device)
     model, tok, source = load_model(cfg.model, lazy=lazy)
     layers = decoder_layers(model)
@@ -163,17 +167,19 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     # stage calibrate: only what the candidates and the damage estimate need
     damage = cfg.bpw is not None or any(len(u["cands"]) > 1 for u in units.values())
     plan = plan_stats(lin_encs, emb_encs, damage)
-    grads = gradients(model, windows, plan, device, show_progress)
+    grads = gradients(model, windows, plan, device, show_progress, group)
 
     # stage candidates, layer by layer (one decoder layer's statistics at a time)
     def on_layer(_i: int, _layer: nn.Module, stats: dict) -> None:
-        cache: dict = {}
+        jobs = {}
         for name, st in stats.items():
             st = dict(st)
             if grads is not None:
                 st["out_grad_sq"] = grads["out_grad_sq"][name].to(device)
             fn = (lambda dw, st=st: linear_damage(dw, st["hessian"], st["out_grad_sq"])) if plan.damage else None
-            units[name]["results"] = quantize_unit(linears[name].weight, units[name]["cands"], st, fn, cache)
+            jobs[name] = (linears[name].weight, units[name]["cands"], st, fn)
+        for name, results in quantize_shared(jobs, group).items():
+            units[name]["results"] = results
 
     # A uniform model (one linear encoding, no budget) with finalize on: finalize re-quantizes every linear on
     # quantized inputs and nothing reads the candidates, so their pass is skipped (about half the time of a
@@ -182,14 +188,15 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
         for name in linears:
             units[name]["results"] = [DEFERRED]
     else:
-        layer_pass(model, windows, plan.layer, on_layer, device, show_progress)
+        layer_pass(model, windows, plan.layer, on_layer, device, show_progress, group=group)
     with progress() as bar:
         task = bar.add_task("quantize: embedding", total=1, visible=show_progress)
         (emb_stats, fn), (head_stats, hfn) = embedding_stats(grads, tuple(emb.weight.shape), tied, device)
-        units[emb_name]["results"] = quantize_unit(emb.weight.detach().to(device), emb_encs, emb_stats, fn if plan.damage else None)
+        jobs = {emb_name: (emb.weight.detach().to(device), emb_encs, emb_stats, fn if plan.damage else None)}
         if untied_head:
-            units[head_name]["results"] = quantize_unit(head.weight.detach().to(device), emb_encs, head_stats,
-                                                        hfn if plan.damage else None)
+            jobs[head_name] = (head.weight.detach().to(device), emb_encs, head_stats, hfn if plan.damage else None)
+        for name, results in quantize_shared(jobs, group).items():
+            units[name]["results"] = results
         bar.advance(task)
     quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if tied else set())
     remainder = state_tensors(model, [k for k in model.state_dict() if k not in quantized])  # after the transform
@@ -285,7 +292,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         fixed = {n: qws[n] for n, u in p.units.items() if u["kind"] != "linear"}
         final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
                                p.grads["out_grad_sq"] if p.grads is not None else None,
-                               resolve_device(cfg.device), show_progress, groups=cfg.finalize_groups)
+                               resolve_device(cfg.device), show_progress, groups=cfg.finalize_groups, world=join())
         qws.update(final)
         finfo.update(info)
 
@@ -331,9 +338,15 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     }
     if out is None:
         return manifest
-    return write_checkpoint(out, tensors, manifest, p.model, p.tokenizer, overwrite,
-                            extra={"seconds": round(time.time() - t0, 1),  # this call; includes preparing unless given
-                                   "prepare_seconds": round(p.seconds, 1)})
+    group = join()
+    if group.rank > 0:  # rank 0 writes; the others wait for it (and it for them before the checkpoint is moved into place)
+        group.barrier()
+        return group.broadcast(None)
+    manifest = write_checkpoint(out, tensors, manifest, p.model, p.tokenizer, overwrite,
+                                extra={"seconds": round(time.time() - t0, 1),  # this call; includes preparing unless given
+                                       "prepare_seconds": round(p.seconds, 1)},
+                                before_commit=group.barrier if group is not SINGLE else None)
+    return group.broadcast(manifest)
 
 
 def _infeasible(cfg: CompressConfig, lo: float, hi: float, unquantized: dict[str, list[int]] | None = None) -> QRecoverError:

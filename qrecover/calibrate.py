@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .distributed import SINGLE, OrderedSum, World
 from .errors import QRecoverError
 from .models import decoder_layers, lazy_weights, linear_layers, module_name, resident
 from .moe import expert_key
@@ -30,7 +31,7 @@ class _Stop(Exception):
 
 
 def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True,
-                   device: torch.device | str = "cpu", layerwise: bool | None = None) -> dict:
+                   device: torch.device | str = "cpu", layerwise: bool | None = None, group: World = SINGLE) -> dict:
     """Backward passes over ``windows (n, seq_len)``; see the module docstring. Returns a dict:
 
     ``out_grad_sq``: ``{linear name: (out,)}`` for every linear in the decoder layers;
@@ -43,15 +44,18 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
     statistics (``layerwise`` needs the model's final norm, found as ``<base model>.norm``; without one the
     whole model is moved to the device for the pass). A lazily loaded model (:func:`qrecover.models.resident`)
     always takes the layer-wise pass, each layer read from disk for its forward and again for its backward.
+
+    ``group``: the processes of a launch (:mod:`qrecover.distributed`): each runs its share of ``windows`` (all
+    of them given to every process) and the sums are reduced in window order (the same bits as one process).
     """
     if layerwise is None:
         layerwise = torch.device(device).type != "cpu" or lazy_weights(model) is not None
     if layerwise and _final_norm(model) is not None:
-        return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)))
+        return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)), group)
     home = next(model.parameters()).device
     model.to(device)
     try:
-        return _gradient_stats(model, windows.to(device), show_progress, None)
+        return _gradient_stats(model, windows.to(device), show_progress, None, group)
     finally:
         model.to(home)
 
@@ -133,16 +137,15 @@ def _fill_experts(out_grad_sq: dict[str, torch.Tensor], lin: dict[str, nn.Module
     return {n: out_grad_sq[n] for n in lin}
 
 
-def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool, step) -> dict:
+def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool, step, group: World) -> dict:
     layers = decoder_layers(model)
     lin = {f"{module_name(model, layers)}.{i}.{n}": m for i, l in enumerate(layers) for n, m in linear_layers(l).items()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    acc: dict[str, torch.Tensor] = {}
+    sums = OrderedSum(group)  # float64 sums in window order (one process's order on any number of processes)
     hooks = []
 
     def add(key: str, value: torch.Tensor) -> None:
-        value = value.detach().double()
-        acc[key] = acc[key] + value if key in acc else value
+        sums.add(key, value.detach().double())
 
     def grad_sq_hook(key: str):
         def fwd(_m, _inp, out):
@@ -162,13 +165,10 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
         ids = inp[0].reshape(-1)
 
         def on_grad(g):  # accumulated in place: one (vocab, hidden) float64 buffer, not one per window
-            if "emb_fisher" not in acc:
-                acc["emb_fisher"] = torch.zeros(emb.weight.shape, dtype=torch.float64, device=g.device)
-            acc["emb_fisher"].index_add_(0, ids, g.reshape(-1, g.shape[-1]).double().square())
+            sums.index_add("emb_fisher", tuple(emb.weight.shape), ids, g.reshape(-1, g.shape[-1]).double().square())
         out.register_hook(on_grad)
 
     hooks += [head.register_forward_hook(head_hook), emb.register_forward_hook(emb_hook)]
-    total_loss, n_tok = 0.0, 0
     params = [p for p in model.parameters()]
     was = [p.requires_grad for p in params]
     for p in params:
@@ -176,8 +176,9 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
     emb.weight.requires_grad_(True)  # something must need grad so backward reaches every layer
     try:
         with progress() as bar:
-            task = bar.add_task("calibrate: loss gradients", total=len(windows), visible=show_progress)
-            for w in windows:
+            mine = windows[group.span(len(windows))]
+            task = bar.add_task("calibrate: loss gradients", total=len(mine), visible=show_progress)
+            for w in mine:
                 ids = w.unsqueeze(0)
                 if step is not None:
                     loss = step(ids)
@@ -186,8 +187,7 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
                     # sum, not mean: each token's own gradient is what the Fisher estimate needs
                     loss = nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
                     loss.backward()
-                total_loss += float(loss.detach())
-                n_tok += ids.shape[1]  # every position's output receives a gradient
+                sums.add("loss", torch.tensor(float(loss.detach()), dtype=torch.float64))
                 bar.advance(task)
     finally:
         for h in hooks:
@@ -195,12 +195,14 @@ def _gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool
         for p, r in zip(params, was):
             p.requires_grad_(r)
             p.grad = None
+    acc = sums.reduce()
+    n_tok = windows.numel()  # every position's output receives a gradient
     n_pred = len(windows) * (windows.shape[1] - 1)
     return {
         "out_grad_sq": _fill_experts({k: (acc[k] / n_tok).float().cpu() for k in lin if k in acc}, lin),
         "head": {"out_grad_sq": (acc["head.out_grad_sq"] / n_tok).float().cpu(), "hessian": (acc["head.hessian"] / n_tok).float().cpu()},
         "emb_fisher": (acc["emb_fisher"] / n_tok).float().cpu(),
-        "loss": total_loss / n_pred,
+        "loss": float(acc["loss"]) / n_pred,
         "tokens": int(windows.numel()),
     }
 
@@ -328,7 +330,7 @@ def linear_groups(layer: nn.Module, x: torch.Tensor, kw: dict, linears: dict[str
 @torch.no_grad()
 def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], linears: dict[str, nn.Module],
                 want: frozenset[str] | set[str], outputs: bool = True, hessian_dtype: torch.dtype = torch.float64,
-                inputs: dict[str, list[torch.Tensor]] | None = None
+                inputs: dict[str, list[torch.Tensor]] | None = None, group: World = SINGLE
                 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[torch.Tensor]]:
     """Replay ``hidden`` through ``layer``, accumulating input statistics of ``linears`` (full name -> module
     inside ``layer``); returns ``(stats, outputs)``.
@@ -340,9 +342,12 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
     each window's forward once every linear of ``linears`` has run (and returns no outputs).
     ``hessian_dtype``: the dtype of each window's ``x^T x`` (sums are float64 either way). ``inputs``: a dict
     that receives, per linear, the input tensor of each of its calls (in window order).
+
+    ``group``: the processes of a launch, each replaying its own windows (``hidden``: this process's share); the
+    statistics are reduced in window order (:class:`qrecover.distributed.OrderedSum`: one process's bits).
     """
     want = set(want) & {"hessian", "input_sq"}
-    sums: dict[str, torch.Tensor] = {}  # by owner: the first linear that saw an input tensor
+    acc = OrderedSum(group)  # by owner: the first linear that saw an input tensor
     counts: dict[str, int] = {}
     owner_of: dict[str, str] = {}
     seen: dict[int, tuple[torch.Tensor, str]] = {}  # id of an input tensor (this window) -> (it, owner);
@@ -360,7 +365,7 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
             if owner == name and want:
                 x = x.reshape(-1, x.shape[-1])
                 v = xtx(x, hessian_dtype) if "hessian" in want else x.double().square().sum(0)
-                sums[owner] = sums[owner] + v if owner in sums else v
+                acc.add(owner, v)
                 counts[owner] = counts.get(owner, 0) + x.shape[0]
             if not outputs and len(fired) == len(linears):
                 raise _Stop
@@ -380,6 +385,10 @@ def layer_stats(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]
     finally:
         for hk in hooks:
             hk.remove()
+    sums = acc.reduce()
+    if group.size > 1:  # a routed expert may run on some processes' windows only
+        owner_of = {n: o for part in group.gather(owner_of) for n, o in part.items()}  # later windows win, as in one process
+        counts = {o: sum(part.get(o, 0) for part in parts) for parts in [group.gather(counts)] for o in sums}
     per_owner: dict[str, dict[str, torch.Tensor]] = {}
     for owner, total in sums.items():
         mean = (total / counts[owner]).float()

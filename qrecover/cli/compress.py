@@ -95,6 +95,7 @@ def compress(
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
     from ..api import compress as run
     from ..config import CompressConfig
+    from ..distributed import join
     from ..errors import QRecoverError
     from ..models import DEFAULT_MODEL
 
@@ -125,7 +126,10 @@ def compress(
         name = Path(model).stem if model else DEFAULT_MODEL
         uniform_name = (encodings or "").strip().replace(":", "").replace("/", "-").replace("+", "-") or f"{cfg.bits[0]}bit"
         out = Path("out") / (f"{name}-{cfg.bpw}bpw" if cfg.bpw is not None else f"{name}-uniform{uniform_name}")
-    manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out)  # bad specs fail before any work
+    rank = join().rank  # under torchrun: one process of several (qrecover.distributed); rank 0 writes and prints
+    manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out and rank == 0)  # bad specs fail before any work
+    if rank > 0:
+        return
     summary = {"out": str(out), "measured_bpw": manifest["measured_bpw"], "bytes": manifest["bytes"],
                "budget": manifest["budget"], "seconds": manifest["seconds"],
                "predicted_loss_increase": manifest["sensitivity"]["predicted_loss_increase"],

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..calibrate import capture_inputs, gradient_stats, layer_stats
+from ..distributed import SINGLE, World
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from .specs import Encoding
@@ -44,27 +45,29 @@ def plan_stats(linear: Sequence[Encoding], embedding: Sequence[Encoding], damage
     return StatsPlan(frozenset(layer), gradients, damage)
 
 
-def gradients(model: nn.Module, windows: torch.Tensor, plan: StatsPlan, device, show_progress: bool) -> dict | None:
+def gradients(model: nn.Module, windows: torch.Tensor, plan: StatsPlan, device, show_progress: bool,
+              group: World = SINGLE) -> dict | None:
     """The backward pass's statistics (:func:`qrecover.calibrate.gradient_stats`), or None when not planned."""
-    return gradient_stats(model, windows, show_progress, device) if plan.gradients else None
+    return gradient_stats(model, windows, show_progress, device, group=group) if plan.gradients else None
 
 
 def layer_pass(model: nn.Module, windows: torch.Tensor, want: frozenset[str],
                on_layer: Callable[[int, nn.Module, dict[str, dict[str, torch.Tensor]]], None],
-               device, show_progress: bool, title: str = "calibrate + quantize: decoder layers") -> None:
+               device, show_progress: bool, title: str = "calibrate + quantize: decoder layers", group: World = SINGLE) -> None:
     """For each decoder layer in turn: move it to ``device``, replay the calibration inputs through it
     collecting ``want``, call ``on_layer(index, layer, stats)`` (stats by the linear's full name), move it
     back to the CPU (a lazily loaded model's layer: drop its weights, :func:`qrecover.models.resident`); its
-    outputs (unquantized weights) are the next layer's inputs."""
+    outputs (unquantized weights) are the next layer's inputs. ``group``: each process replays its share of
+    ``windows``, the statistics reduced to one process's bits (:mod:`qrecover.distributed`)."""
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    hidden, kwargs = capture_inputs(model, windows, device)
+    hidden, kwargs = capture_inputs(model, windows[group.span(len(windows))], device)
     with progress() as bar:
         task = bar.add_task(title, total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             with resident(model, layer, device):
                 lins = linear_layers(layer, prefix=f"{prefix}.{i}.")
-                stats, hidden = layer_stats(layer, hidden, kwargs, lins, want)
+                stats, hidden = layer_stats(layer, hidden, kwargs, lins, want, group=group)
                 on_layer(i, layer, stats)
                 del stats
             bar.advance(task)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..distributed import SINGLE, World
 from ..schemes import QuantizedWeight
 from ..sensitivity import linear_damage, lookup_damage
 from .specs import Encoding
@@ -55,6 +56,35 @@ def quantize_unit(weight: torch.Tensor, encodings: Sequence[Encoding], stats: di
         qw = done[e]
         damage = None if damage_fn is None else max(damage_fn(w - qw.dequantize().to(w.device)), 0.0)
         out.append((to_cpu(qw), damage))
+    return out
+
+
+#: one unit's work for :func:`quantize_shared`: ``(weight (out, in), encodings, stats, damage fn or None)``
+Unit = tuple[torch.Tensor, Sequence[Encoding], dict[str, torch.Tensor], "DamageFn | None"]
+
+
+def quantize_shared(units: dict[str, Unit], group: World = SINGLE, cache: dict | None = None
+                    ) -> dict[str, list[tuple[QuantizedWeight, float | None]]]:
+    """:func:`quantize_unit` of every unit: ``{name: [(QuantizedWeight on the CPU, damage)] in encoding order}``.
+
+    The jobs (a unit's encodings of one scheme and parameters, quantized together) are shared out among the
+    processes of ``group`` (:meth:`qrecover.distributed.World.share`, by weight size x widths) and the results
+    gathered on every process: the same results as one process, which runs every job.
+    """
+    cache = {} if cache is None else cache
+    jobs = [(n, key) for n, (_, encs, _, _) in units.items() for key in dict.fromkeys(e.key for e in encs)]
+    costs = [units[n][0].numel() * sum(e.key == key for e in units[n][1]) for n, key in jobs]
+    done: dict[tuple[str, str], list] = {}
+    for j in group.share(costs):
+        n, key = jobs[j]
+        w, encs, st, fn = units[n]
+        done[n, key] = quantize_unit(w, [e for e in encs if e.key == key], st, fn, cache)
+    if group.size > 1:
+        done = {k: v for part in group.gather(done) for k, v in part.items()}
+    out: dict[str, list[tuple[QuantizedWeight, float | None]]] = {}
+    for n, (_, encs, _, _) in units.items():
+        taken = {key: iter(done[n, key]) for key in dict.fromkeys(e.key for e in encs)}
+        out[n] = [next(taken[e.key]) for e in encs]
     return out
 
 

@@ -21,11 +21,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
+from ..distributed import SINGLE, World
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
 from ..sensitivity import linear_damage
-from .candidates import quantize_unit
+from .candidates import quantize_shared
 from .specs import Encoding
 
 INPUT_STATS = frozenset({"hessian", "input_sq"})
@@ -105,34 +106,36 @@ def _block_replay(layer: nn.Module, layer_prefix: str, name: str, linear: nn.Mod
 
 
 def _corrected_outputs(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], outs: list[torch.Tensor],
-                       kept: dict[str, list[torch.Tensor]], deltas: dict[str, torch.Tensor]) -> list[torch.Tensor] | None:
+                       kept: dict[str, list[torch.Tensor]], deltas: dict[str, torch.Tensor], world: World = SINGLE
+                       ) -> list[torch.Tensor] | None:
     """The layer's outputs with its last group quantized, from the pass that collected that group's statistics
     (``outs``, the group still unquantized) plus each quantized linear's output change ``x (W_q - W)^T``: exact
     where those outputs are added to the residual stream unchanged (Llama, Qwen, Mistral, Phi-3: the down
     projection). Checked on the first window against a real forward; None (run the forward) where it does not
-    hold (a norm after the projection as in Gemma, routed experts) or a linear ran other than once per window."""
+    hold (a norm after the projection as in Gemma, routed experts) or a linear ran other than once per window.
+    ``world``: the decision is every process's (the check on window 0, which rank 0 holds)."""
+    fixed: list[torch.Tensor] | None = []
     if any(len(kept.get(n, ())) != len(hidden) for n in deltas):
-        return None
-    fixed = []
-    for j, y in enumerate(outs):
+        fixed = None
+    for j, y in enumerate(outs if fixed is not None else []):
         change = [F.linear(kept[n][j], d) for n, d in deltas.items()]
         if any(c.shape != y.shape for c in change):  # the projection's output is not the layer's (e.g. routed experts)
-            return None
+            fixed = None
+            break
         fixed.append(y + sum(change))
-    want = forward_layer(layer, hidden[:1], kwargs[:1])[0]
-    err = (fixed[0] - want).abs().max()
-    change = (want - outs[0]).abs().max()  # what the correction had to account for
-    eps = torch.finfo(want.dtype).eps * want.abs().max() * 64
-    if not err <= 1e-3 * change + eps:
-        return None
-    fixed[0] = want
-    return fixed
+    if fixed is not None and world.rank == 0:
+        want = forward_layer(layer, hidden[:1], kwargs[:1])[0]
+        err = (fixed[0] - want).abs().max()
+        change = (want - outs[0]).abs().max()  # what the correction had to account for
+        eps = torch.finfo(want.dtype).eps * want.abs().max() * 64
+        fixed = [want, *fixed[1:]] if err <= 1e-3 * change + eps else None
+    return fixed if world.all_true(fixed is not None) else None
 
 
 @torch.no_grad()
 def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding], fixed: dict[str, QuantizedWeight],
-             out_grad_sq: dict[str, torch.Tensor] | None, device, show_progress: bool = True, groups: str = "input"
-             ) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
+             out_grad_sq: dict[str, torch.Tensor] | None, device, show_progress: bool = True, groups: str = "input",
+             world: World = SINGLE) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
     """``chosen``: decoder linear name -> its encoding; ``fixed``: already final units (the embedding, by
     module name; its chosen weight feeds the first layer). ``out_grad_sq``: the gradient pass's moments (for
     quantizers that need them, and for the finalized damage estimate), or None.
@@ -140,7 +143,9 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     Returns ``(packed weights by linear name, info)``; ``info["damage"]`` is each re-quantized layer's
     estimated damage under the statistics it was re-quantized with. ``groups``: 'input' (true-sequential, the
     module docstring) or 'layer' (every linear of a layer from one statistics pass on the layer's quantized
-    input, then the layer quantized at once: fewer forwards, as llm-compressor's GPTQ does).
+    input, then the layer quantized at once: fewer forwards, as llm-compressor's GPTQ does). ``world``: the
+    processes of a launch: each runs its share of ``windows``, the statistics are reduced to one process's bits
+    and a group's linears are quantized on different processes (:mod:`qrecover.distributed`).
     """
     t0 = time.time()
     layers = decoder_layers(model)
@@ -151,7 +156,7 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     if emb_name in fixed:
         emb.weight.data = fixed[emb_name].dequantize().to(saved.dtype)
     try:
-        hidden, kwargs = capture_inputs(model, windows, device)
+        hidden, kwargs = capture_inputs(model, windows[world.span(len(windows))], device)
     finally:
         emb.weight.data = saved
     result: dict[str, QuantizedWeight] = {}
@@ -166,7 +171,8 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                 originals = {n: m.weight.data.clone() for n, m in lins.items()}
                 replays = ExitStack()  # blocks replayed from their kept inputs (_replay) until the layer is done
                 try:
-                    order = linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)]
+                    # rank 0 holds window 0: every process takes its order (routed experts may differ by window)
+                    order = world.broadcast(linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)])
                     kept, final, outs, deltas = None, None, None, {}  # final: the last group's kept inputs
                     for k, group in enumerate(order):
                         want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
@@ -174,17 +180,15 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                         # so that the layer's outputs need no second pass where the correction is exact (below); a
                         # group of one linear keeps its inputs so that later passes can replay its block (_replay)
                         last = k == len(order) - 1 > 0
-                        keep = want and (last or len(group) == 1) and _kept_bytes(hidden, group, lins) <= KEEP_BYTES
+                        keep = want and (last or len(group) == 1) and world.total(_kept_bytes(hidden, group, lins)) <= KEEP_BYTES
                         kept = {} if keep else None
                         stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=last and keep,
-                                                  hessian_dtype=torch.float32, inputs=kept) if want else ({n: {} for n in group}, None)
-                        cache: dict = {}
+                                                  hessian_dtype=torch.float32, inputs=kept, group=world) if want else ({n: {} for n in group}, None)
+                        sts = {n: {**stats[n], **({"out_grad_sq": out_grad_sq[n].to(device)} if out_grad_sq is not None else {})}
+                               for n in group}
+                        packed = quantize_shared({n: (lins[n].weight, [chosen[n]], sts[n], None) for n in group}, world)
                         for n in group:
-                            st = dict(stats[n])
-                            if out_grad_sq is not None:
-                                st["out_grad_sq"] = out_grad_sq[n].to(device)
-                            w = lins[n].weight
-                            qw, _ = quantize_unit(w, [chosen[n]], st, None, cache)[0]
+                            st, w, (qw, _) = sts[n], lins[n].weight, packed[n][0]
                             deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
                             if "hessian" in st and out_grad_sq is not None:
                                 damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
@@ -201,7 +205,7 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                             if block is not None:
                                 replays.enter_context(block)
                                 replayed += 1
-                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, final, deltas) if final is not None else None
+                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, final, deltas, world) if final is not None else None
                     shortcuts += corrected is not None
                     hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
                     del kept, final, outs, deltas

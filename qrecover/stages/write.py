@@ -7,7 +7,7 @@ import json
 import math
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -43,9 +43,12 @@ def measure_bpw(weights: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], manifest: dict[str, Any], model, tokenizer,
-                     overwrite: bool, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                     overwrite: bool, extra: dict[str, Any] | None = None, before_commit: Callable[[], None] | None = None
+                     ) -> dict[str, Any]:
     """Write ``tensors``, the config, the tokenizer and the manifest (completed with the measured bpw, bytes,
-    the weights' sha256, creation time and ``extra``) to ``out``; return the manifest."""
+    the weights' sha256, creation time and ``extra``) to ``out``; return the manifest. ``before_commit``: called
+    once everything is written, before the directory is moved into place (several processes: a barrier, so that
+    a failure of any of them leaves nothing)."""
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "qrecover"})
         measured = measure_bpw(tmp / WEIGHTS, manifest)
@@ -59,4 +62,6 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], manifest: dict
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if before_commit is not None:
+            before_commit()
     return manifest

@@ -1,0 +1,150 @@
+"""Compression on several processes: ``torchrun --nproc_per_node 2 -m qrecover.cli compress`` (gloo, CPU) writes the
+bytes of one process, and a process that fails leaves nothing on disk.
+
+The tiny model (tests/conftest.py) on 3 calibration windows (split 2 + 1: an uneven share), for the default menu
+(mixed-blocks, whole-model budget: the embedding's ten candidates are shared out too) and for a GPTQ menu: every
+file of the checkpoint has the sha256 of the 1-process checkpoint, the manifest's too once its timing fields (when
+it was written, how long it took) are set aside. :mod:`qrecover.distributed`'s pieces are checked alone: the window
+spans, the job assignment, and the ordered sums against a plain sequential float64 sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qrecover.api import compress
+from qrecover.config import CompressConfig
+from qrecover.distributed import OrderedSum, World
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with the gloo backend is not available in this torch build")
+
+ROOT = Path(__file__).parents[1]
+RUN = dict(bpw=4.3, calib_samples=3, seq_len=64)  # the linear layers take several encodings (both menus)
+MENUS = {"default": None, "gptq": "gptq:3/g64,gptq:4/g64"}
+TIMING = ("created", "seconds", "prepare_seconds")
+
+FAIL_AT_COMMIT = '''"""Rank 1 fails where rank 0 has the whole checkpoint written in its temporary directory."""
+import os
+from qrecover import distributed
+from qrecover.cli import main
+
+if os.environ["RANK"] == "1":
+    def fail(self):
+        raise RuntimeError("rank 1 fails before the checkpoint is committed")
+    distributed.World.barrier = fail
+main()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(entry: list[str], *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), *entry, "compress", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def _cli_args(model: Path, out: Path, menu: str | None) -> list[str]:
+    return ["--model", str(model), "--bpw", str(RUN["bpw"]), "--calib-samples", str(RUN["calib_samples"]),
+            "--seq-len", str(RUN["seq_len"]), "--out", str(out), "--json", *(["--encodings", menu] if menu else [])]
+
+
+def _digests(ckpt: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(ckpt.iterdir())}
+
+
+def _manifest(ckpt: Path) -> dict:
+    m = json.loads((ckpt / "qrecover.json").read_text())
+    for k in TIMING:
+        m.pop(k)
+    m["finalize"].pop("seconds")
+    return m
+
+
+@pytest.mark.parametrize("menu", list(MENUS))
+def test_two_processes_write_the_bytes_of_one(menu, tiny_model_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    compress(CompressConfig(model=str(tiny_model_dir), encodings=MENUS[menu], **RUN), out=one, show_progress=False)
+    proc = _torchrun(["-m", "qrecover.cli"], *_cli_args(tiny_model_dir, two, MENUS[menu]))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    report, end = json.JSONDecoder().raw_decode(proc.stdout.strip())
+    assert end == len(proc.stdout.strip()) and report["out"] == str(two)  # rank 0's report only
+
+    a, b = _digests(one), _digests(two)
+    assert a.keys() == b.keys() and "model.safetensors" in a
+    assert {k: v for k, v in a.items() if k != "qrecover.json"} == {k: v for k, v in b.items() if k != "qrecover.json"}
+    assert _manifest(one) == _manifest(two)
+    labels = {v["label"] for v in _manifest(two)["layers"].values() if v["kind"] == "linear"}
+    assert len(labels) > 1  # the budget made choices (a uniform result would hide a wrong damage table)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+def test_a_failing_process_leaves_nothing(tiny_model_dir, tmp_path):
+    """Rank 1 raises at the barrier before the commit, when rank 0 has written every file into its temporary
+    directory: the launch fails and neither the checkpoint nor a temporary directory is left."""
+    script = tmp_path / "fail_at_commit.py"
+    script.write_text(FAIL_AT_COMMIT)
+    out = tmp_path / "ckpts" / "two"
+    proc = _torchrun([str(script)], *_cli_args(tiny_model_dir, out, MENUS["gptq"]))
+    assert proc.returncode != 0
+    assert "rank 1 fails before the checkpoint is committed" in proc.stdout + proc.stderr
+    assert not out.exists()
+    assert list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_more_processes_than_windows_is_refused(tiny_model_dir, tmp_path):
+    proc = _torchrun(["-m", "qrecover.cli"], *_cli_args(tiny_model_dir, tmp_path / "out", None)[:-1], "--calib-samples", "1")
+    assert proc.returncode != 0
+    assert "--calib-samples 1 is fewer than the 2 processes" in proc.stdout + proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_spans_cover_the_windows_in_order_and_rank_0_holds_window_0():
+    for n, size in [(3, 2), (32, 3), (5, 5), (7, 4)]:
+        spans = [World(r, size).span(n) for r in range(size)]
+        assert [i for s in spans for i in range(n)[s]] == list(range(n))
+        assert all(s.stop > s.start for s in spans) and spans[0].start == 0
+
+
+def test_share_gives_every_job_to_exactly_one_process_balanced_by_cost():
+    costs = [7.0, 1.0, 3.0, 3.0, 5.0, 1.0, 2.0]
+    shares = [World(r, 3).share(costs) for r in range(3)]
+    assert sorted(j for s in shares for j in s) == list(range(len(costs)))
+    loads = [sum(costs[j] for j in s) for s in shares]
+    assert max(loads) - min(loads) <= max(costs) and max(loads) < sum(costs) / 2
+    assert World().share(costs) == list(range(len(costs)))
+
+
+def test_ordered_sum_is_the_sequential_float64_sum():
+    """One process: the same bits as adding the windows' values one after another (a pairwise sum differs)."""
+    torch.manual_seed(0)
+    values = [torch.randn(64, dtype=torch.float64) * 10.0 ** torch.randint(-8, 8, (64,)) for _ in range(9)]
+    acc = OrderedSum()
+    ref = values[0]
+    for v in values:
+        acc.add("h", v)
+    for v in values[1:]:
+        ref = ref + v
+    assert torch.equal(acc.reduce()["h"], ref)
+    pairwise = (values[0] + values[1] + values[2] + values[3]) + (values[4] + values[5] + values[6] + values[7] + values[8])
+    assert not torch.equal(pairwise, ref)  # the order matters: why the reduction keeps one process's
+    ids, rows = torch.tensor([3, 1, 3]), torch.randn(3, 4, dtype=torch.float64)
+    acc.index_add("f", (5, 4), ids, rows)
+    assert torch.equal(acc.reduce()["f"], torch.zeros(5, 4, dtype=torch.float64).index_add_(0, ids, rows))
