@@ -168,6 +168,11 @@ class GPTQ(Blockwise):
     def _block(self, shape: tuple[int, int]) -> int:
         return _check_group(tuple(shape), self.config.group_size)
 
+    @property
+    def factor_key(self) -> tuple[float, bool]:
+        """What :meth:`shared_factor` depends on besides the Hessian: quantizers with equal keys share one factor."""
+        return (self.config.damp, self.config.act_order)
+
     def shared_factor(self, hessian: torch.Tensor) -> torch.Tensor:
         """The ``hessian_inv_chol`` statistic for this config (``damp``, ``act_order``): layers that read the
         same inputs (q/k/v, gate/up) compute it once and share it."""

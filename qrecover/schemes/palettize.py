@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..errors import QRecoverError
 from ..packing import pack, packed_nbytes, unpack
 from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
-from .feedback import error_feedback
+from .feedback import error_feedback, inverse_hessian_factor
 
 
 @dataclass
@@ -188,13 +188,15 @@ class Palettize(Quantizer):
         luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
         if self.config.error_feedback and "hessian" in stats:
             h, weight = stats["hessian"], weight.detach()
-            all_codes = self._assign_with_feedback(weight, h, luts, g, c)
+            # one factorisation for every pass (and, from the candidates stage, every layer reading these inputs)
+            factor = stats["hessian_inv_chol"] if "hessian_inv_chol" in stats else self.shared_factor(h)
+            all_codes = self._assign_with_feedback(weight, factor, luts, g, c)
             if self.config.refit:
                 # reassigning with refitted tables usually lowers the error further but need not: keep each width's best
                 best = [(_output_error(weight, lut, codes, h, g, c), lut, codes) for lut, codes in zip(luts, all_codes)]
                 for n in range(self.config.refit):
                     if n:
-                        all_codes = self._assign_with_feedback(weight, h, luts, g, c)
+                        all_codes = self._assign_with_feedback(weight, factor, luts, g, c)
                     refits = [refit_tables(weight, codes, lut, h, g, c) for codes, lut in zip(all_codes, luts)]
                     luts, all_codes = [t for t, _ in refits], [k for _, k in refits]
                     best = [min(b, (_output_error(weight, lut, codes, h, g, c), lut, codes), key=lambda x: x[0])
@@ -225,11 +227,27 @@ class Palettize(Quantizer):
         imp = imp.clamp_min(0) ** cfg.importance_power
         return imp / imp.mean().clamp_min(1e-30) + 1e-6  # never weight a value by exactly zero
 
+    #: the error feedback's dampening (:func:`~qrecover.schemes.feedback.error_feedback`'s default); no column reordering
+    damp = 0.01
+    act_order = False
+
+    @property
+    def factor_key(self) -> tuple[float, bool]:
+        """See :attr:`qrecover.schemes.gptq.GPTQ.factor_key` (equal keys, equal factors)."""
+        return (self.damp, self.act_order)
+
+    def shared_factor(self, hessian: torch.Tensor) -> torch.Tensor:
+        """``(I, I)`` the ``hessian_inv_chol`` statistic the error feedback uses: exactly what
+        :func:`~qrecover.schemes.feedback.error_feedback` computes from ``hessian`` itself, so that every pass of every
+        width, and every layer reading the same inputs, shares one factorisation (the same as GPTQ's without act order)."""
+        return inverse_hessian_factor(hessian, self.damp, torch.float32)
+
     @staticmethod
-    def _assign_with_feedback(weight: torch.Tensor, hessian: torch.Tensor, luts: list[torch.Tensor], g: int, c: int
+    def _assign_with_feedback(weight: torch.Tensor, factor: torch.Tensor, luts: list[torch.Tensor], g: int, c: int
                               ) -> list[torch.Tensor]:
         """Codes for every width's tables in one error-feedback pass: the widths are stacked as extra rows
-        (tables padded to the largest with bounds at +inf), so the per-column loop runs once, not per width."""
+        (tables padded to the largest with bounds at +inf), so the per-column loop runs once, not per width.
+        ``factor``: :meth:`shared_factor` of the input Hessian."""
         out_f, in_f = weight.shape
         k_max = max(lut.shape[1] for lut in luts)
         bounds, tables = [], []
@@ -250,7 +268,7 @@ class Palettize(Quantizer):
             code = torch.searchsorted(bounds_by_block[blk], w.unsqueeze(1).contiguous())
             return tables_by_block[blk].gather(1, code).squeeze(1), code.squeeze(1)
 
-        codes = error_feedback(weight.repeat(len(luts), 1), hessian, round_fn)
+        codes = error_feedback(weight.repeat(len(luts), 1), None, round_fn, factor=factor)
         return list(codes.split(out_f))
 
     def _pack(self, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:

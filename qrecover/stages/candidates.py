@@ -22,13 +22,14 @@ def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def stats_for(enc: Encoding, stats: dict[str, torch.Tensor], cache: dict) -> dict[str, torch.Tensor]:
-    """``stats`` plus, for a quantizer that shares work across layers with the same inputs (GPTQ's
+    """``stats`` plus, for a quantizer that shares work across layers with the same inputs (GPTQ's and palettization's
     ``shared_factor``: the inverse Hessian's Cholesky factor for its damp and column order), that work as
-    ``hessian_inv_chol``, computed once per (Hessian, quantizer parameters): q/k/v and gate/up share it."""
+    ``hessian_inv_chol``, computed once per (Hessian, ``factor_key``: damp and column order): q/k/v and gate/up share
+    it, and so do every palettization candidate and GPTQ without act order (the same factor)."""
     q = enc.quantizer
     if not hasattr(q, "shared_factor") or "hessian" not in stats or "hessian" not in q.needs:
         return stats
-    key = (id(stats["hessian"]), json.dumps(enc.params, sort_keys=True, default=str))
+    key = (id(stats["hessian"]), json.dumps(q.factor_key))
     if key not in cache:
         cache[key] = (stats["hessian"], q.shared_factor(stats["hessian"]).to(stats["hessian"].device))  # keeps H alive: ids stay unique
     return {**stats, "hessian_inv_chol": cache[key][1]}
