@@ -8,6 +8,11 @@ With ``cache=True`` a module keeps its dequantized weight after the first forwar
 evaluation on CPU, at the memory cost of a dense weight); the packed tensors stay the source of truth.
 They are buffers (frozen, never trained); :func:`packed_as_parameters` turns them into frozen parameters
 for FSDP, which shards parameters only (``RecoverConfig.shard_base``).
+
+Tuning (``qrecover tune``, :mod:`qrecover.recovery.tune`): :meth:`_Packed.set_masters` gives chosen continuous tensors
+(``lut``, ``scale``) an fp32 master Parameter ``<name>_master``; the dense weight is then a differentiable function
+of the masters through the frozen codes (the scheme's own ``dequantize``), recomputed every forward, and
+:meth:`_Packed.commit_masters` rounds them back into the stored dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class _Packed(nn.Module):
         self._dense: torch.Tensor | None = None
         self._dispatch_dense: torch.Tensor | None = None  # the measured dispatch's dense copy (qrecover.kernels.dispatch)
         self.compute_dtype = torch.float32  # dtype of `weight` and of lookups; follows .half()/.to(dtype)
+        self._masters: tuple[str, ...] = ()  # stored tensors that have a trainable fp32 master (set_masters)
 
     def _apply(self, fn, recurse=True):
         """``.to()``/``.half()``/``.cuda()``: the packed tensors move device but keep their stored dtypes (a
@@ -71,9 +77,38 @@ class _Packed(nn.Module):
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    def set_masters(self, names: tuple[str, ...]) -> None:
+        """Train the stored tensors ``names`` (e.g. ``("lut",)``): each gets an fp32 master Parameter
+        ``<name>_master`` of its shape (exact: fp16 -> fp32), the dense cache is dropped, and :meth:`dequantize`
+        computes the weight from the masters with gradients (codes and the other tensors stay frozen)."""
+        for n in names:
+            if n not in self._tensor_names or not getattr(self, n).is_floating_point():
+                raise QRecoverError(f"{n!r} is not a continuous tensor of this {self.scheme} layer ({self._tensor_names})")
+            self.register_parameter(f"{n}_master", nn.Parameter(getattr(self, n).detach().float().clone()))
+        self._masters, self._dense = tuple(names), None
+
+    def commit_masters(self) -> dict[str, torch.Tensor]:
+        """Round every master to its stored tensor's dtype, store it, drop the masters; returns the new stored
+        tensors by name. Afterwards the layer is a plain packed layer again."""
+        stored = {}
+        for n in self._masters:
+            master = self._parameters.pop(f"{n}_master")
+            old = getattr(self, n)
+            stored[n] = master.detach().to(device=old.device, dtype=old.dtype).contiguous()
+            if n in self._parameters:  # held as a frozen parameter (packed_as_parameters)
+                self._parameters[n] = nn.Parameter(stored[n], requires_grad=False)
+            else:
+                self._buffers[n] = stored[n]
+        self._masters, self._dense = (), None
+        return stored
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The dense weight ``(out, in)`` in ``dtype`` (default :attr:`compute_dtype`)."""
+        """The dense weight ``(out, in)`` in ``dtype`` (default :attr:`compute_dtype`); from the masters, with
+        gradients, while :meth:`set_masters` is in effect."""
         dtype = dtype or self.compute_dtype
+        if self._masters:
+            tensors = {n: getattr(self, f"{n}_master" if n in self._masters else n) for n in self._tensor_names}
+            return self._quantizer.dequantize(QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors), dtype)
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
         with torch.no_grad():
@@ -106,7 +141,7 @@ class QuantLinear(_Packed, nn.Linear):
         return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.gpu_device(x.device):  # fused dequant-matmul kernel, a dense copy, or the reference path (kernels.select)
+        if kernels.gpu_device(x.device) and not self._masters:  # fused dequant-matmul kernel, a dense copy, or the reference path (kernels.select)
             return kernels.linear(self, x)
         return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 

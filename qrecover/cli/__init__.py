@@ -18,6 +18,7 @@ from . import pipeline as _pipeline
 from . import ppl as _ppl
 from . import recover as _recover
 from . import report as _report
+from . import tune as _tune
 
 app = typer.Typer(
     name="qrecover",
@@ -29,6 +30,7 @@ app = typer.Typer(
 app.command("compress", epilog=_compress.EXAMPLES)(_compress.compress)
 app.command("recover", epilog=_recover.EXAMPLES)(_recover.recover)
 app.command("finetune", epilog=_finetune.EXAMPLES)(_finetune.finetune)
+app.command("tune", epilog=_tune.EXAMPLES)(_tune.tune)
 app.command("info", epilog=_info.EXAMPLES)(_info.info)
 app.command("ppl", epilog=_ppl.EXAMPLES)(_ppl.ppl)
 app.command("eval", epilog=_eval.EXAMPLES)(_eval.eval_)

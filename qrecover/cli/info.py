@@ -62,6 +62,12 @@ def info(
     loss = "" if c.get("loss") is None else f", loss {c['loss']:.3f}"
     t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens{loss}")
     t.add_row("created", f"{m.get('created')} in {m.get('seconds')} s with {m['versions']}")
+    if m.get("tuning"):
+        tu, r = m["tuning"], m["tuning"].get("rounding")
+        t.add_row("tuned", f"{', '.join(tu['params'])} ({tu['trainable_values']:,} values) on {tu['tokens']:,} tokens of "
+                  f"{tu['data']} ({tu['objective']}) from {tu['source']['path']} (weights sha256 "
+                  f"{tu['source']['weights_sha256'][:12]}…), codes frozen, same bytes"
+                  + ("" if r is None else f"; fp16 rounding: ppl {r['ppl_fp32_masters']:.3f} -> {r['ppl_rounded']:.3f}"))
     console.print(t)
     if layers:  # plain aligned lines: full layer names, easy to grep
         print(f"{'layer':<48} {'encoding':<24} {'scheme':<10} {'bits':>4} {'bpw':>6} {'bytes':>12} {'est. damage':>12}")

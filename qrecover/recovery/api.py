@@ -100,14 +100,14 @@ def _check_out(out: Path, overwrite: bool, resume: bool) -> None:
 
 
 @contextlib.contextmanager
-def _run_dir(out: Path, overwrite: bool, resume: bool) -> Iterator[None]:
+def _run_dir(out: Path, overwrite: bool, resume: bool, check: Callable[[Path, bool, bool], None] = _check_out) -> Iterator[None]:
     """``out`` ready for a run; on any failure (Ctrl-C included) the half-written export goes, and so does
     ``out`` itself when this call created it and no resumable checkpoint was written.
 
     Under ``accelerate launch``/``torchrun`` every process checks ``out`` before the main one (rank 0, on the
     shared filesystem) changes anything; only the main process creates, clears or writes there."""
     procs = process_state()  # joins the process group of a distributed launch; one process otherwise
-    _check_out(out, overwrite, resume)
+    check(out, overwrite, resume)
     created = overwrite or not out.exists()
     procs.wait_for_everyone()
     if procs.is_main_process:
@@ -123,6 +123,26 @@ def _run_dir(out: Path, overwrite: bool, resume: bool) -> Iterator[None]:
             if created and latest_checkpoint(out) is None:
                 shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def check_training_inputs(cfg: RecoverConfig, checkpoint: Path, manifest: dict[str, Any], needs_teacher: bool, why: str,
+                          may_load_teacher: bool = True) -> Mix | dict[str, Any]:
+    """The training data ``cfg.mix`` read and checked (a mix, or prepared data made with this checkpoint's tokenizer),
+    and the unquantized model found where the manifest says when ``needs_teacher`` (``why``: the options that need
+    it) or when the mix's self-generated sources need it (and ``may_load_teacher``). Loads no model."""
+    from transformers import AutoTokenizer
+
+    mix = read_mix_or_data(cfg.mix)
+    if isinstance(mix, dict):  # prepared data: tokenized by this checkpoint's tokenizer, decontaminated if asked
+        check_tokenizer(mix, AutoTokenizer.from_pretrained(checkpoint), cfg.mix)
+        if cfg.decontaminate and mix["decontamination"] is None:
+            raise QRecoverError(f"prepared data {cfg.mix!r} was made with --no-decontaminate; prepare it again without it, "
+                                "or train with --no-decontaminate")
+    if needs_teacher:
+        _check_teacher_source(manifest, why)
+    elif may_load_teacher and isinstance(mix, Mix) and any(s.kind == "selfgen" and not s.model for s in mix.sources):
+        _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
+    return mix
 
 
 def _is_main_process() -> bool:
@@ -257,17 +277,10 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
     if resume and is_complete(out):  # (the main process reports it)
         return json.loads((out / ADAPTER_META).read_text()) if _is_main_process() else {}
     # --- every input checked before any model loads -----------------------------------------------------
-    mix = read_mix_or_data(cfg.mix)
     manifest = read_manifest(checkpoint)
-    if isinstance(mix, dict):  # prepared data: tokenized by this checkpoint's tokenizer, decontaminated if asked
-        check_tokenizer(mix, AutoTokenizer.from_pretrained(checkpoint), cfg.mix)
-        if cfg.decontaminate and mix["decontamination"] is None:
-            raise QRecoverError(f"prepared data {cfg.mix!r} was made with --no-decontaminate; prepare it again without it, "
-                                "or train with --no-decontaminate")
-    if teacher is None and (cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage"):
-        _check_teacher_source(manifest, f"--objective {cfg.objective} --init {cfg.init} --rank-allocation {cfg.rank_allocation}")
-    elif teacher is None and isinstance(mix, Mix) and any(s.kind == "selfgen" and not s.model for s in mix.sources):
-        _check_teacher_source(manifest, "the mix's self-generated sources (selfgen without a model)")
+    mix = check_training_inputs(cfg, checkpoint, manifest, teacher is None and (
+        cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage"),
+        f"--objective {cfg.objective} --init {cfg.init} --rank-allocation {cfg.rank_allocation}", teacher is None)
     with _run_dir(out, overwrite, resume):
         if _is_main_process():
             _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint), "config": cfg.to_dict(),

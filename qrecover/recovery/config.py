@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import QRecoverError
 from ..fields import DictConfig, doc_field
@@ -20,6 +20,7 @@ RANK_ALLOCATIONS = ("uniform", "damage")
 @dataclass
 class RecoverConfig(DictConfig):
     what = "recover config"
+    allow_zero_lr: ClassVar[bool] = False  # tuning (TuneConfig) allows lr 0: a run that must leave every tensor as it was
 
     rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)")
     alpha: float | None = doc_field(None, "LoRA alpha; None = 2 x rank (scaling 2)")
@@ -93,7 +94,7 @@ class RecoverConfig(DictConfig):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise QRecoverError(f"--{name.replace('_', '-')} {v!r} must be a positive integer")
-        if not self.lr > 0:
+        if not (self.lr > 0 or (self.allow_zero_lr and self.lr == 0)):
             raise QRecoverError(f"--lr {self.lr} must be positive, e.g. --lr 1e-3")
         if not self.temperature > 0:
             raise QRecoverError(f"--temperature {self.temperature} must be positive")

@@ -311,7 +311,9 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
     if use_teacher:
         with torch.no_grad(), autocast():
             teacher_hidden = hidden_states(teacher, ids.to(t_dev))
-    head_trains = any(p.requires_grad for p in _unwrap(model).get_output_embeddings().parameters())
+    head = _unwrap(model).get_output_embeddings()
+    # a tied packed head (QuantLMHead) reads its embedding's tensors, which train when the embedding is tuned
+    head_trains = any(p.requires_grad for m in (head, getattr(head, "embedding", head)) for p in m.parameters())
     with autocast():
         hidden = hidden_states(model, ids)
         return chunked_loss(cfg.objective, hidden, labels, s_head, teacher_hidden, t_head, cfg.kd_weight,
