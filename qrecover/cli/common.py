@@ -30,3 +30,15 @@ def parse_ints(value: str, what: str) -> list[int]:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise QRecoverError(f"{what} {value!r} must be comma-separated integers, e.g. 2,4") from None
+
+
+def training_data(mix: Any, data: Any, overwrite: bool, resume: bool) -> Any:
+    """The training data of a training command: ``--data`` or ``--mix`` (at most one), with ``--overwrite`` and
+    ``--resume`` not both given."""
+    from ..errors import QRecoverError
+
+    if overwrite and resume:
+        raise QRecoverError("--overwrite and --resume contradict each other; pick one")
+    if data is not None and mix is not None:
+        raise QRecoverError("--data and --mix both name the training data; pass one")
+    return data if data is not None else mix

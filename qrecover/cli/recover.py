@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..recovery.config import RecoverConfig
-from .common import JsonOpt, console, emit_json, parse_ints
+from .common import JsonOpt, console, emit_json, parse_ints, training_data
 
 D = RecoverConfig.default
 
@@ -91,11 +91,7 @@ def recover(
     from ..recovery.api import read_mix_or_data
     from ..recovery.api import recover as run
 
-    if overwrite and resume:
-        raise QRecoverError("--overwrite and --resume contradict each other; pick one")
-    if data is not None and mix is not None:
-        raise QRecoverError("--data and --mix both name the training data; pass one")
-    mix = data if data is not None else mix
+    mix = training_data(mix, data, overwrite, resume)
     rank_list = parse_ints(ranks, "--ranks") if ranks else [rank]
     if not rank_list:
         raise QRecoverError("--ranks must name at least one rank, e.g. --ranks 8,16,32")

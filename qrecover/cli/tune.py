@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..recovery.tune import TuneConfig
-from .common import JsonOpt, console, emit_json
+from .common import JsonOpt, console, emit_json, training_data
 
 D = TuneConfig.default
 
@@ -62,14 +62,9 @@ def tune(
     json_out: bool = JsonOpt,
 ) -> None:
     """Train a checkpoint's continuous quantization parameters with distillation, codes frozen: zero extra bytes."""
-    from ..errors import QRecoverError
     from ..recovery.tune import tune as run
 
-    if overwrite and resume:
-        raise QRecoverError("--overwrite and --resume contradict each other; pick one")
-    if data is not None and mix is not None:
-        raise QRecoverError("--data and --mix both name the training data; pass one")
-    mix = data if data is not None else mix
+    mix = training_data(mix, data, overwrite, resume)
     cfg = TuneConfig(params=params, tokens=tokens, mix=None if mix is None else str(mix), objective=objective, lr=lr,
                      schedule=schedule, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
                      checkpoint_every=checkpoint_every, gradient_checkpointing=gradient_checkpointing, precision=precision,

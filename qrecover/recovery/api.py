@@ -234,6 +234,20 @@ def _make_loader(cfg: RecoverConfig, tokenizer: Any, total_tokens: int, mix_path
                      decontaminate=cfg.decontaminate, model=generator, show_progress=show_progress)
 
 
+def train_on_data(model: torch.nn.Module, cfg: RecoverConfig, tokenizer: Any, mix: Mix | dict[str, Any], manifest: dict[str, Any],
+                  out: Path, teacher: torch.nn.Module | None, resume: bool, show_progress: bool,
+                  callback: Callable[[dict[str, Any]], None] | None, description: str) -> tuple[dict[str, Any], Any]:
+    """``(summary, loader)``: :func:`.train.train` of ``model``'s trainable parameters on ``mix`` (from
+    :func:`check_training_inputs`), the data stream sized for ``cfg.tokens`` on this launch's processes."""
+    world = process_state().num_processes
+    generator = teacher if teacher is not None else source_model_spec(manifest)
+    loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,
+                          mix if isinstance(mix, Mix) else None, generator=generator, show_progress=show_progress)
+    summary = train(model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
+                    callback=callback, description=description)
+    return summary, loader
+
+
 def _write_json(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
@@ -301,12 +315,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         peft_model.qrecover_manifest = manifest
         # (on --resume too: deterministic, and the checkpoint's weights then replace it; keeps the record complete)
         init = _init_from_error(peft_model, teacher, calibration, show_progress) if cfg.init == "svd" else {"method": "zero"}
-        world = process_state().num_processes
-        generator = teacher if teacher is not None else source_model_spec(manifest)
-        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,
-                              mix if isinstance(mix, Mix) else None, generator=generator, show_progress=show_progress)
-        summary = train(peft_model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
-                        callback=callback, description=f"recover r{cfg.rank}")
+        summary, loader = train_on_data(peft_model, cfg, tokenizer, mix, manifest, out, teacher, resume, show_progress,
+                                        callback, f"recover r{cfg.rank}")
         if not summary["is_main_process"]:
             return {}
         return _finish(peft_model, out, cfg, checkpoint, summary, loader, keep_checkpoints,

@@ -38,16 +38,14 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from ..api import load, perplexity
-from ..checkpoint import MANIFEST, read_manifest, source_model_spec
+from ..checkpoint import MANIFEST, read_manifest
 from ..errors import QRecoverError
 from ..fields import doc_field
 from ..io_utils import sha256_file, write_text_atomic
 from ..qlinear import _Packed
 from ..stages.write import measure_bpw
-from .api import CHECKPOINTS, RUN_FILE, _is_main_process, _make_loader, _require_checkpoint, _run_dir, check_training_inputs, load_teacher
+from .api import CHECKPOINTS, RUN_FILE, _is_main_process, _require_checkpoint, _run_dir, check_training_inputs, load_teacher, train_on_data
 from .config import RecoverConfig
-from .mix import Mix
-from .train import process_state, total_steps, train
 
 PARAM_KINDS = ("tables", "scales", "norms", "embedding")
 #: the continuous stored tensor of each scheme and the --params kind it belongs to in a linear layer
@@ -230,12 +228,8 @@ def tune(checkpoint: str | Path, out: str | Path, cfg: TuneConfig | None = None,
         if cfg.objective != "ce" and teacher is None:
             teacher = load_teacher(manifest)
         trainable = make_tunable(model, layers, norms)
-        world = process_state().num_processes
-        generator = teacher if teacher is not None else source_model_spec(manifest)
-        loader = _make_loader(cfg, tokenizer, total_steps(cfg, world) * cfg.tokens_per_step * world,
-                              mix if isinstance(mix, Mix) else None, generator=generator, show_progress=show_progress)
-        summary = train(model, cfg, loader, out, teacher=teacher, resume=resume, show_progress=show_progress,
-                        callback=callback, description=f"tune {cfg.params}")
+        summary, loader = train_on_data(model, cfg, tokenizer, mix, manifest, out, teacher, resume, show_progress, callback,
+                                        f"tune {cfg.params}")
         if not summary["is_main_process"]:
             return {}
         tensors, rounding = _rounding_cost(model, tokenizer, cfg, lambda: tuned_tensors(model, layers, norms, manifest))
