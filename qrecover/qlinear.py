@@ -85,7 +85,7 @@ class _Packed(nn.Module):
             if n not in self._tensor_names or not getattr(self, n).is_floating_point():
                 raise QRecoverError(f"{n!r} is not a continuous tensor of this {self.scheme} layer ({self._tensor_names})")
             self.register_parameter(f"{n}_master", nn.Parameter(getattr(self, n).detach().float().clone()))
-        self._masters, self._dense = tuple(names), None
+        self._masters, self._dense, self._dispatch_dense = tuple(names), None, None
 
     def commit_masters(self) -> dict[str, torch.Tensor]:
         """Round every master to its stored tensor's dtype, store it, drop the masters; returns the new stored
@@ -99,7 +99,7 @@ class _Packed(nn.Module):
                 self._parameters[n] = nn.Parameter(stored[n], requires_grad=False)
             else:
                 self._buffers[n] = stored[n]
-        self._masters, self._dense = (), None
+        self._masters, self._dense, self._dispatch_dense = (), None, None
         return stored
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
