@@ -12,6 +12,7 @@ schemes per layer when the damage table says so; the old default path (``--embed
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -407,6 +408,11 @@ def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("mixed-blocks") == blocks + parse_encodings("gptq:3/g64,gptq:4/g64")
     assert [e.params["act_order"] for e in parse_encodings("mixed-blocks")[-2:]] == [True, True]
     assert CompressConfig().encodings == "mixed-blocks"  # the default menu
+    # quick: the default menu, encoding by encoding, without the table refits
+    quick = parse_encodings("quick")
+    assert [dataclasses.replace(e, params_json=json.dumps({**e.params, "refit": 2}, sort_keys=True)) if e.scheme == "palettize" else e
+            for e in quick] == parse_encodings("mixed-blocks")
+    assert [e.params["refit"] for e in quick if e.scheme == "palettize"] == [0] * 6
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):

@@ -28,6 +28,8 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
 
+  qrecover compress --bpw 3.7 --encodings quick      # the quick start: the default menu without table refits
+
   qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers
 
   qrecover compress --bpw 3.7 --encodings afm        # whole-row tables only (AFM's format; Core ML export)
@@ -44,7 +46,8 @@ Presets for --encodings (measured at --bpw 3.7 on the default model, reports/sch
 with whole-row tables and tables per ~192 columns, each refitted twice: the best palettization-only menu),
 mixed-blocks (the default: afm-blocks + gptq:3/g64, gptq:4/g64; the best measured, on the calibration domain and on
 every held-out domain), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
-gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with
+gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only), quick (mixed-blocks without the
+table refits: the quick start's menu, several times faster on a CPU; its quality: README). They mix with
 specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
 every layer's columns) is offered to those layers only.
 """
@@ -71,7 +74,7 @@ def compress(
                                                                         "tables, 4/3-bit GPTQ groups of 32), 'legacy' (the first four), 4 or 8."),
     encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
                                                                       "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: "
-                                                                      "mixed-blocks (the default), afm, afm-blocks, mixed, mixed-awq "
+                                                                      "mixed-blocks (the default), quick, afm, afm-blocks, mixed, mixed-awq "
                                                                       "(overrides --scheme/--bits)."),
     embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
                                                                                           "blockwise:4/b32/asym,palettize:3/g1 (overrides "

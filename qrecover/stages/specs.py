@@ -38,7 +38,7 @@ from ..schemes.base import _REGISTRY
 from ..transforms import transform_names
 
 GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym, "
-           "or a preset name (afm, afm-blocks, mixed, mixed-awq, mixed-blocks)")
+           "or a preset name (afm, afm-blocks, mixed, mixed-awq, mixed-blocks, quick)")
 
 #: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
 #: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is AFM's palettization (whole-row tables;
@@ -60,6 +60,9 @@ PRESETS = {
                   "palettize:3/b192/block_fit=nearest/refit=2,palettize:4/b192/block_fit=nearest/refit=2",
 }
 PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64,gptq:4/g64"
+#: ``quick``: ``mixed-blocks`` without the table refits (k-means tables, codes by error feedback), the candidates that
+#: cost most (each refit is a least-squares solve per table and a second error-feedback pass); the quick start's menu.
+PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "")
 
 #: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given (until 2026-11-24:
 #: ``afm``, which configurations written then name explicitly as ``scheme``/``bits``; then ``afm-blocks`` for a day).
