@@ -27,6 +27,9 @@ shipped mix's teacher-written chats).
 Then the speed of the training base path: dequantized weights cached in memory or dequantized every forward,
 bf16 autocast or fp32, in the same process.
 Adapter sizes are from the written files, with their cost in bits per weight of the base model.
+':tune[=N]' tunes the checkpoint's tables, scales, norms and embedding end to end first (`qrecover tune`, N tokens,
+default the row's; ':params=tables+scales' picks what trains), zero extra bytes; rank 0 scores the tuned checkpoint
+alone (benchmarks/tune_rows.py). Each row records its CPU seconds (this process, one thread).
 
     python benchmarks/recover.py                 # ~2 h on 2 CPU cores
     python benchmarks/recover.py --quick         # a smoke test (few tokens, few windows)
@@ -35,6 +38,8 @@ Adapter sizes are from the written files, with their cost in bits per weight of 
     python benchmarks/recover.py --runs 3.5:kd:16:int8,3.5:kd:8,3.5:kd:16:head=16,3.5:kd:16:wsd --tokens 16384 \
         --points 0,1 --no-speed --name recover-domains --out benchmarks/out/recover-domains
                                                  # the levers at equal total bytes (reports/recover-domains.md)
+    python benchmarks/recover.py --runs 3.5:kd:0:tune@32768,3.5:kd:16:tune=32768@65536 --points 0,0.5,1 --no-speed \
+        --no-references --name recover-tune      # tuned alone, tuned then LoRA (reports/recover-tune.md)
 
 Writes reports/NAME.md and reports/NAME.json; checkpoints and adapters go to --out.
 """
@@ -51,6 +56,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # tune_rows.py beside this file
+
+from tune_rows import tune_alone, tune_config, tuned_base  # noqa: E402
 
 from qrecover import api  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
@@ -97,7 +105,7 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][@TOKENS]"
+RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:params=A+B][@TOKENS]"
 MIXES = ROOT / "benchmarks" / "mixes"  # ':mix=NAME' trains on benchmarks/mixes/NAME.toml (or a .toml path)
 
 
@@ -120,7 +128,7 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
         body, _, n = item.partition("@")
         parts = body.split(":")
         run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
-               "rank_allocation": "uniform", "mix": None}
+               "rank_allocation": "uniform", "mix": None, "tune": None, "params": None}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -136,6 +144,10 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                 run["rank_allocation"], rest = "damage", rest[1:]
             elif rest[0].startswith("mix=") and rest[0][4:]:
                 run["mix"], rest = rest[0][4:], rest[1:]
+            elif rest[0] == "tune" or (rest[0].startswith("tune=") and rest[0][5:].isdigit()):  # tune first (tune_rows.py)
+                run["tune"], rest = int(rest[0][5:]) if "=" in rest[0] else (int(n) if n else tokens), rest[1:]
+            elif rest[0].startswith("params=") and rest[0][7:]:
+                run["params"], rest = rest[0][7:].replace("+", ","), rest[1:]
             elif rest[0].startswith("head=") and rest[0][5:].isdigit():
                 run["head_rank"], rest = int(rest[0][5:]), rest[1:]
             elif rest[0].startswith("lr="):
@@ -145,6 +157,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                     ok = False
             else:
                 ok = False
+        if ok and int(parts[2]) == 0 and run["tune"] is None:
+            ok = False  # rank 0 is the tuned checkpoint alone
         if not ok:
             sys.exit(f"--runs item {item!r}: expected {RUN_GRAMMAR}, e.g. 3.5:kd:16, 3.5:kd:16:top:70, "
                      "3.5:kd:16:zero:lr=2e-3, 3.5:kd:16:head=16:wsd or 3.5:kd:16@262144")
@@ -162,6 +176,7 @@ def run_name(r: dict) -> str:
             + ("" if r.get("schedule", "cosine") == "cosine" else f"-{r['schedule']}")
             + ("" if r.get("rank_allocation", "uniform") == "uniform" else "-damage")
             + ("" if not r.get("mix") else f"-mix{Path(r['mix']).stem}")
+            + ("" if not r.get("tune") else f"-tune{r['tune']}" + ("" if not r.get("params") else "-" + r["params"].replace(",", "+")))
             + f"-{r['tokens']}tok")
 
 
@@ -256,6 +271,15 @@ def main() -> None:
     for run in runs:
         b, objective, rank, targets, init, n_tokens = (run[k] for k in ("bpw", "objective", "rank", "targets", "init", "tokens"))
         milestones = sorted({round(f * n_tokens) for f in points if 0 < f < 1})
+        base, tuned = ckpts[b], None
+        if run["tune"]:  # the checkpoint tuned end to end first (tune_rows.py); rank 0: that checkpoint alone
+            tcfg = tune_config(run, seq_len, None if run["mix"] is None else str(mix_path(run["mix"])))
+            if rank == 0:
+                rows.append(tune_alone(run_name(run), run, tcfg, ckpts[b], bpw[b]["model"], out, teacher, ppl, gap, points))
+                report(time.time() - t_start, {})
+                continue
+            base, tuned = tuned_base(ckpts[b], tcfg, out, teacher)
+        cpu0 = time.process_time()
         cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, init=init,
                             seq_len=seq_len, checkpoint_every=0, head_rank=run["head_rank"], schedule=run["schedule"],
                             rank_allocation=run.get("rank_allocation", "uniform"),
@@ -274,7 +298,7 @@ def main() -> None:
         name = run_name(run)
         key = {"config": cfg.to_dict(), "milestones": milestones, "points": points, "windows": windows,
                "texts": {k: DOMAINS[k].text_sha256 for k in TEXTS}, "mix_sha256": sha256_file(mix_path(run["mix"])),
-               "checkpoint": read_manifest(ckpts[b])["weights_file"]["sha256"]}
+               "checkpoint": read_manifest(base)["weights_file"]["sha256"]}
         done = out / name / "bench_row.json"  # a finished row is reused: an interrupted benchmark picks up here
         if done.is_file() and json.loads(done.read_text())["key"] == key:
             row = json.loads(done.read_text())["row"]
@@ -283,9 +307,9 @@ def main() -> None:
             t = time.time()
             # the teacher goes in for 'ce' too: it writes the mix's self-generated chats (cached by its weights, so
             # every row trains on the same data); cross-entropy training itself never runs it
-            meta = recover(ckpts[b], out / name, cfg, overwrite=True, callback=measure, teacher=teacher)
+            meta = recover(base, out / name, cfg, overwrite=True, callback=measure, teacher=teacher)
             train_wall = time.time() - t
-            m = api.load(ckpts[b], cache=True, adapter=out / name)
+            m = api.load(base, cache=True, adapter=out / name)
             final = ppl(m)
             curve.append({"tokens": meta["training"]["tokens"], "ppl": final, "gap_closed": gap(b, final)})
             row = {"name": name, "bpw": b, "measured_bpw": bpw[b]["model"], "objective": objective, "rank": rank,
@@ -296,7 +320,9 @@ def main() -> None:
                    "adapter_bpw_cost": meta["bpw_cost"], "tok_per_s": meta["training"]["tok_per_s"],
                    "train_seconds": meta["training"]["seconds"], "wall_seconds": time.time() - t,
                    "train_wall_seconds": train_wall, "data_setup_seconds": meta["training"]["data_setup_seconds"],
-                   "peak_memory_mb": meta["training"]["peak_memory_bytes"] / 1e6, "curve": curve}
+                   "peak_memory_mb": meta["training"]["peak_memory_bytes"] / 1e6, "curve": curve, "tune": tuned,
+                   # CPU of this process (one thread): tuning (when not reused) + training + the held-out scoring
+                   "cpu_seconds": time.process_time() - cpu0 + (0 if tuned is None else tuned["cpu_seconds"] or 0)}
             done.write_text(json.dumps({"key": key, "row": row}))
             del m
         rows.append(row)
@@ -339,7 +365,11 @@ def _init(row: dict) -> str:
 
 
 def _adapter(r: dict) -> str:
-    return (f"{r['objective']} r{r['rank']} " + ("" if r["targets"] == "all" else r["targets"] + " ")
+    t = r.get("tune")
+    tuned = "" if not t else f"tuned {'+'.join(t['params'])} on {t['tokens']:,} tok" + (", then " if r["rank"] else "")
+    if not r["rank"]:
+        return tuned + " (no adapter, zero extra bytes)"
+    return tuned + (f"{r['objective']} r{r['rank']} " + ("" if r["targets"] == "all" else r["targets"] + " ")
             + (f"+ head r{r['head_rank']} " if r.get("head_rank") else "") + f"({r['layers']} layers)"
             + (", wsd" if r.get("schedule") == "wsd" else "") + (", int8" if r.get("adapter_bits") == 8 else "")
             + (", ranks by damage" if r.get("rank_allocation") == "damage" else "")
@@ -378,8 +408,8 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, refere
         f"Original ppl ({cols}): " + " / ".join(f"{original[k]:.2f}" for k in TEXTS) + ".\n",
         "| checkpoint | quantized ppl (" + cols + ") | adapter | init (output error removed) | adapter MB | + bpw | bpw with "
         "adapter | tokens | recovered ppl (" + cols + ") | gap closed (" + cols + ") | **worst held-out** | equal-size "
-        "adapter-free ppl (" + cols + ") | beats it on | tok/s | wall min |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "adapter-free ppl (" + cols + ") | beats it on | tok/s | wall min | CPU min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q, f = quantized[r["bpw"]], r["curve"][-1]
@@ -391,7 +421,8 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, refere
             f"{r['adapter_mb']:.2f} | {r['adapter_bpw_cost']:.3f} | {total:.3f} | {f['tokens']:,} | {_each(f['ppl'])} | "
             f"{_each(f['gap_closed'], '{:.0f}%', 100)} | **{100 * f['gap_closed']['worst']:.0f}%** | "
             f"{'-' if ref is None else _each(ref['ppl'])} | {beats} | "
-            f"{r['tok_per_s']:.0f} | {r.get('wall_seconds', 0) / 60:.1f} |")
+            f"{r['tok_per_s']:.0f} | {r.get('wall_seconds', 0) / 60:.1f} | "
+            + ("-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds'] / 60:.1f}") + " |")
     if references:
         lines += ["", "## Adapter-free references (`qrecover compress --bpw B`, the compress defaults)", "",
                   f"| --bpw | measured bpw | ppl ({cols}) | gap of the {min(quantized)} bpw checkpoint closed ({cols}) | "
