@@ -4,6 +4,7 @@
 ``3.5:kd:0:tune@32768``          the tuned checkpoint alone, 32k tuning tokens
 ``3.5:kd:16:tune=32768@65536``   tuned on 32k tokens, then a rank-16 adapter on 65k tokens on the tuned checkpoint
 ``:params=tables+scales``        what trains (TuneConfig.params, '+' for ','); default: TuneConfig's
+``3.5:kd:0:tune:lr=1e-4@16384``  with rank 0, ':lr=' is the tuning's learning rate (else the adapter's)
 
 A tuned checkpoint is cached in OUT/tuned-<source>-<params>-<tokens>tok and reused when its manifest records the same
 config and source weights.
@@ -24,7 +25,8 @@ from qrecover.recovery.tune import TuneConfig, tune
 def tune_config(run: dict, seq_len: int, mix: str | None) -> TuneConfig:
     """The row's tuning config: ``run["tune"]`` tokens, ``run["params"]`` (None: the default), the row's data mix."""
     return TuneConfig(tokens=run["tune"], seq_len=seq_len, checkpoint_every=0, mix=mix,
-                      **({} if run.get("params") is None else {"params": run["params"]}))
+                      **({} if run.get("params") is None else {"params": run["params"]}),
+                      **({"lr": run["lr"]} if run["rank"] == 0 and run.get("lr") is not None else {}))
 
 
 def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
