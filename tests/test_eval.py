@@ -10,7 +10,10 @@ bad input ends with exit code 2 and a message naming it. The main runs happen wi
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import random
 import socket
 
 import pytest
@@ -19,9 +22,10 @@ from cli_helpers import run as _run
 
 from qrecover import benchdata
 from qrecover.errors import QRecoverError
+from qrecover.evaluate import agreement
+from qrecover.evaluate import harness as lm
+from qrecover.evaluate import runner as ev
 from qrecover.models import weights_sha256
-from qrecover.reports import agreement
-from qrecover.reports import eval as ev
 from qrecover.reports.results import Metric, load_results
 from qrecover.reports.table import check_comparable
 
@@ -34,7 +38,7 @@ def eval_cache(tmp_path_factory):
     """Generated task files and cached reference answers go to a temporary directory, not the user cache."""
     mp = pytest.MonkeyPatch()
     d = tmp_path_factory.mktemp("eval-cache")
-    mp.setattr(ev, "cache_dir", lambda: d)
+    mp.setattr(lm, "cache_dir", lambda: d)
     mp.setattr(agreement, "cache_dir", lambda: d)
     yield d
     mp.undo()
@@ -176,7 +180,7 @@ def test_answer_flips_hand_made():
 def test_reference_answers_come_from_the_cache(eval_cache, monkeypatch):
     cfg = ev.EvalConfig(limit=4, batch_size=2)
     key_ref = ev.Reference(spec="/nonexistent/model", sha256="f" * 64, is_self=False)
-    settings = ev.mmlu_settings(cfg, 4)
+    settings = lm.mmlu_settings(cfg, 4)
     agreement.store_answers({"reference_sha256": key_ref.sha256, "mmlu": settings,
                              "lm_eval": ev.versions().get("lm_eval")}, [0, 1, 2, 3])
 
@@ -190,10 +194,10 @@ def test_reference_answers_come_from_the_cache(eval_cache, monkeypatch):
 
 
 def test_mmlu_selection_spreads_over_subjects():
-    rows = ev.mmlu_questions()
+    rows = lm.mmlu_questions()
     assert len(rows) == 14042
-    order = ev.mmlu_order(rows)
-    assert len(order) == 14042 and order == ev.mmlu_order(rows)
+    order = lm.mmlu_order(rows)
+    assert len(order) == 14042 and order == lm.mmlu_order(rows)
     assert len({r["topic"] for r in order[:57]}) == 57
     assert [r["question"] for r in order[:3]] != [r["question"] for r in rows[:3]]
 
@@ -283,9 +287,9 @@ class GlobalState:
         import huggingface_hub.constants as hc
         import langdetect
 
-        from qrecover.reports import ifeval_offline
+        from qrecover.evaluate import ifeval_offline
 
-        with ev.ifeval_patched() as util:  # imports instructions_util without a download
+        with lm.ifeval_patched() as util:  # imports instructions_util without a download
             pass
         self.util, self.hc, self.dc, self.langdetect = util, hc, dc, langdetect
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -304,11 +308,11 @@ class GlobalState:
     def snapshot(self):
         import numpy as np
 
-        return {"env": {k: ev.os.environ.get(k) for k in OFFLINE_KEYS},
+        return {"env": {k: os.environ.get(k) for k in OFFLINE_KEYS},
                 "flags": (self.hc.HF_HUB_OFFLINE, self.dc.HF_HUB_OFFLINE, self.dc.HF_DATASETS_OFFLINE),
                 "ifeval": (self.util._get_sentence_tokenizer, self.util.nltk, self.langdetect.DetectorFactory.seed),
-                "logger": ev.logging.getLogger("lm_eval").level,
-                "random": ev.random.getstate(), "numpy": np.random.get_state()[1].tolist(),
+                "logger": logging.getLogger("lm_eval").level,
+                "random": random.getstate(), "numpy": np.random.get_state()[1].tolist(),
                 "torch": torch.get_rng_state()}
 
     def assert_restored(self):
@@ -323,9 +327,9 @@ class GlobalState:
 
     def assert_in_effect(self):
         """Inside evaluation: offline, IFEval tokenizers installed."""
-        from qrecover.reports import ifeval_offline
+        from qrecover.evaluate import ifeval_offline
 
-        assert ev.os.environ["HF_HUB_OFFLINE"] == "1" and ev.os.environ["HF_DATASETS_OFFLINE"] == "1"
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
         assert (self.hc.HF_HUB_OFFLINE, self.dc.HF_HUB_OFFLINE, self.dc.HF_DATASETS_OFFLINE) == (True, True, True)
         assert self.util._get_sentence_tokenizer is ifeval_offline.sentence_tokenizer
         assert isinstance(self.util.nltk, ifeval_offline._NltkProxy)
@@ -348,7 +352,7 @@ def loaded_models(monkeypatch):
 
 def test_evaluate_leaves_state_as_found(tiny_ckpt, eval_cache, no_network, loaded_models, monkeypatch):
     state = GlobalState(monkeypatch)
-    seen, real_run = [], ev.run_lm_eval
+    seen, real_run = [], lm.run_lm_eval
 
     def checking_run(lm, specs, *a, **k):
         if any("ifeval" in s for s in specs):
@@ -356,7 +360,7 @@ def test_evaluate_leaves_state_as_found(tiny_ckpt, eval_cache, no_network, loade
         seen.append(specs)
         return real_run(lm, specs, *a, **k)
 
-    monkeypatch.setattr(ev, "run_lm_eval", checking_run)
+    monkeypatch.setattr(lm, "run_lm_eval", checking_run)
     r = ev.evaluate(model=str(tiny_ckpt), tasks=["ifeval", "mmlu"], show_progress=False,
                     limit=1, max_gen_toks=4, batch_size=1)
     assert set(r.metrics) >= {"ifeval", "mmlu"} and len(seen) == 2
@@ -372,8 +376,8 @@ def test_evaluate_restores_state_when_it_raises(tiny_ckpt, eval_cache, no_networ
 
     class FailingHFLM:  # fails inside HFLM.__init__, after it called tie_weights()
         def __init__(self, pretrained, **kwargs):
-            assert pretrained.tie_weights is ev._already_tied
-            assert ev.logging.getLogger("lm_eval").level == ev.logging.ERROR
+            assert pretrained.tie_weights is lm._already_tied
+            assert logging.getLogger("lm_eval").level == logging.ERROR
             raise RuntimeError("HFLM exploded")
 
     monkeypatch.setattr(hf, "HFLM", FailingHFLM)
@@ -385,7 +389,7 @@ def test_evaluate_restores_state_when_it_raises(tiny_ckpt, eval_cache, no_networ
     monkeypatch.undo()
 
     state = GlobalState(monkeypatch)
-    real_run = ev.run_lm_eval
+    real_run = lm.run_lm_eval
 
     def failing_run(lm, specs, *a, **k):  # fails inside lm-eval with IFEval's patches in place
         import random
@@ -394,20 +398,20 @@ def test_evaluate_restores_state_when_it_raises(tiny_ckpt, eval_cache, no_networ
         state.assert_in_effect()
         raise ValueError("lm-eval broke mid-run")
 
-    monkeypatch.setattr(ev, "run_lm_eval", failing_run)
+    monkeypatch.setattr(lm, "run_lm_eval", failing_run)
     with pytest.raises(ValueError, match="mid-run"):
         ev.evaluate(model=str(tiny_ckpt), tasks=["ifeval"], show_progress=False, limit=1, max_gen_toks=4)
-    monkeypatch.setattr(ev, "run_lm_eval", real_run)
+    monkeypatch.setattr(lm, "run_lm_eval", real_run)
     # run_lm_eval's own random states: its seeding is undone on an exception too
-    monkeypatch.setattr(ev, "load_tasks", lambda specs, include_defaults: {})
+    monkeypatch.setattr(lm, "load_tasks", lambda specs, include_defaults: {})
 
     def failing_evaluate(**kwargs):
         raise ValueError("inside")
 
     monkeypatch.setattr("lm_eval.evaluator.evaluate", failing_evaluate)
-    state.before["random"] = ev.random.getstate()
+    state.before["random"] = random.getstate()
     with pytest.raises(ValueError, match="inside"):
-        ev.run_lm_eval(None, ["x.yaml"], 1, chat=False)
+        lm.run_lm_eval(None, ["x.yaml"], 1, chat=False)
     state.assert_restored()
 
 
@@ -417,11 +421,11 @@ def test_lm_eval_error_surfaces_with_its_cause(no_network, monkeypatch):
     import lm_eval.tasks
     from lm_eval.api.task import ConfigurableTask
 
-    with ev.offline():
+    with lm.offline():
         index = lm_eval.tasks.TaskManager(include_defaults=True)  # indexing lm-eval's tasks takes seconds: once
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_defaults: index)
-    with ev.offline(), pytest.raises(QRecoverError, match="arc_easy: the dataset is not available offline") as e:
-        ev.load_tasks(["arc_easy"], include_defaults=True)  # really not cached: datasets raises ConnectionError
+    with lm.offline(), pytest.raises(QRecoverError, match="arc_easy: the dataset is not available offline") as e:
+        lm.load_tasks(["arc_easy"], include_defaults=True)  # really not cached: datasets raises ConnectionError
     assert isinstance(e.value.__cause__, ConnectionError)
     assert "gsm8k, ifeval, mmlu" in str(e.value)
 
@@ -429,8 +433,8 @@ def test_lm_eval_error_surfaces_with_its_cause(no_network, monkeypatch):
         raise ValueError("a bug in the task's preprocessing")
 
     monkeypatch.setattr(ConfigurableTask, "download", broken)
-    with ev.offline(), pytest.raises(ValueError, match="preprocessing") as e:
-        ev.load_tasks(["arc_easy"], include_defaults=True)
+    with lm.offline(), pytest.raises(ValueError, match="preprocessing") as e:
+        lm.load_tasks(["arc_easy"], include_defaults=True)
     assert not isinstance(e.value, QRecoverError)
 
 
@@ -440,8 +444,8 @@ def test_offline_restores_on_exception(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
-    with pytest.raises(KeyError), ev.offline():
-        assert ev.os.environ["HF_HUB_OFFLINE"] == "1" and hc.HF_HUB_OFFLINE is True
+    with pytest.raises(KeyError), lm.offline():
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and hc.HF_HUB_OFFLINE is True
         raise KeyError("x")
-    assert ev.os.environ["HF_HUB_OFFLINE"] == "0" and "HF_DATASETS_OFFLINE" not in ev.os.environ
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "HF_DATASETS_OFFLINE" not in os.environ
     assert hc.HF_HUB_OFFLINE is False

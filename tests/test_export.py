@@ -15,6 +15,7 @@ from cli_helpers import run
 from qrecover.api import compress, load, perplexity
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
+from qrecover.evaluate.agreement import KLProbe
 from qrecover.export import export
 from qrecover.export.common import integer_layout, read_checkpoint
 from qrecover.export.gguf_format import encode_q4, map_layer, row_permutation
@@ -23,7 +24,6 @@ from qrecover.models import load_model
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.lora import attach_lora, base_identity, lora_modules, lowrank_correction, save_adapter
 from qrecover.recovery.peft_quant import merge_and_unload
-from qrecover.reports.agreement import KLProbe
 from qrecover.schemes import get_quantizer
 
 HAS_CT = importlib.util.find_spec("compressed_tensors") is not None

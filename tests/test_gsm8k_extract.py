@@ -35,7 +35,7 @@ CASES = [
 def task(tmp_path_factory):
     from lm_eval.tasks import TaskManager
 
-    from qrecover.reports import eval as ev
+    from qrecover.evaluate import harness as ev
 
     d = tmp_path_factory.mktemp("gsm8k")
     data = d / "test.jsonl"
@@ -82,8 +82,8 @@ def test_yaml_copies_match_lm_eval(ours, theirs):
 
     import lm_eval
 
-    from qrecover.reports.eval import read_task_yaml
-    from qrecover.reports.tasks import TASKS_DIR
+    from qrecover.evaluate.harness import read_task_yaml
+    from qrecover.evaluate.tasks import TASKS_DIR
 
     a = read_task_yaml(TASKS_DIR / ours)
     b = read_task_yaml(Path(lm_eval.__file__).parent / "tasks" / theirs)

@@ -1,4 +1,4 @@
-"""IFEval scoring offline: lm-eval's own checkers with the NLTK-free tokenizers of qrecover.reports.ifeval_offline.
+"""IFEval scoring offline: lm-eval's own checkers with the NLTK-free tokenizers of qrecover.evaluate.ifeval_offline.
 
 Every instruction type that occurs in the IFEval data gets hand-written responses, each with the verdict
 derived by hand from the checker's rule (and, for the two checkers that use NLTK, from what trained Punkt
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from qrecover.reports import ifeval_offline
+from qrecover.evaluate import ifeval_offline
 
 # (instruction id, kwargs as in the data file, response, verdict)
 CASES = [
@@ -116,7 +116,7 @@ def verdict(instruction_id: str, kwargs: dict, response: str, prompt: str = "a p
 
 
 def test_every_instruction_type_of_the_data_is_covered():
-    from qrecover.reports.eval import data_file
+    from qrecover.benchdata import data_file
 
     rows = [json.loads(line) for line in data_file("ifeval").read_text().splitlines()]
     in_data = {i for r in rows for i in r["instruction_id_list"]}
@@ -178,7 +178,7 @@ def refuse(*a, **k):
 socket.socket.connect = refuse
 socket.create_connection = refuse
 nltk.data.path[:] = [{str(tmp_path)!r}]
-from qrecover.reports.ifeval_offline import install
+from qrecover.evaluate.ifeval_offline import install
 util = install()
 from lm_eval.tasks.ifeval.utils import process_results
 doc = {{"key": 1, "prompt": "p", "instruction_id_list": ["length_constraints:number_sentences",

@@ -1,4 +1,4 @@
-"""Tests for :mod:`qrecover.reports.judge`, the AlpacaEval-style judged win rate, against a judge server on loopback.
+"""Tests for :mod:`qrecover.evaluate.judge`, the AlpacaEval-style judged win rate, against a judge server on loopback.
 
 The judge is a stdlib ``http.server`` speaking the OpenAI chat-completions protocol that prefers the longer of the
 two outputs, answers a tie or a ``GARBLE`` output with text naming no label, and can be told to fail. Checks:
@@ -26,8 +26,8 @@ import pytest
 
 from qrecover import benchdata
 from qrecover.errors import QRecoverError
-from qrecover.reports import judge as J
-from qrecover.reports.judge import (
+from qrecover.evaluate import judge as J
+from qrecover.evaluate.judge import (
     ALPACA_METRIC,
     JudgeClient,
     JudgeConfig,

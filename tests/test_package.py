@@ -49,7 +49,7 @@ def test_pyproject_declares_the_package_data():
 
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.toml" in data["qrecover.recipes"]
-    assert "*.yaml" in data["qrecover.reports.tasks"]
+    assert "*.yaml" in data["qrecover.evaluate.tasks"]
 
 
 def test_unknown_shipped_name_is_refused():

@@ -339,11 +339,11 @@ def test_top_n_targets_adapt_only_the_most_damaged_layers(tiny_ckpt, text_mix, t
 
 def test_public_api_exposes_the_stages():
     import qrecover
+    from qrecover.evaluate import runner
     from qrecover.recovery import api as recovery_api
-    from qrecover.reports.eval import evaluate
 
     assert qrecover.recover is recovery_api.recover and qrecover.finetune is recovery_api.finetune
-    assert qrecover.evaluate is evaluate
+    assert qrecover.evaluate.evaluate is runner.evaluate and callable(qrecover.evaluate)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         qrecover.nope  # noqa: B018
 

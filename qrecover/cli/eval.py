@@ -56,7 +56,8 @@ def eval_(
 ) -> None:
     """Evaluate a model offline with lm-eval: GSM8K, IFEval, MMLU, perplexity and agreement with the unquantized model."""
     from ..errors import QRecoverError
-    from ..reports.eval import EvalConfig, evaluate, parse_tasks, save_results
+    from ..evaluate.config import EvalConfig, parse_tasks
+    from ..evaluate.runner import evaluate, save_results
 
     if out is not None and out.exists() and not overwrite:  # before minutes of evaluation
         raise QRecoverError(f"results file {str(out)!r} already exists; pass --overwrite to replace it")

@@ -29,12 +29,12 @@ import torch.nn as nn
 from ..api import load, perplexity
 from ..checkpoint import source_model_spec
 from ..errors import QRecoverError
+from ..evaluate.agreement import KLProbe
 from ..models import load_model
 from ..qlinear import QuantLinear
 from ..recovery.lora import lora_modules
 from ..recovery.mix import calibration_windows as source_windows
 from ..recovery.peft_quant import merge_and_unload
-from ..reports.agreement import KLProbe
 from .common import Checkpoint
 
 COST_SEQ_LEN = 512

@@ -1,6 +1,6 @@
 """IFEval scoring for ifeval.yaml: lm-eval's own functions, imported after the offline NLTK patch."""
 
-from qrecover.reports.ifeval_offline import install
+from qrecover.evaluate.ifeval_offline import install
 
 install()
 

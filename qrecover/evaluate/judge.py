@@ -61,7 +61,7 @@ from urllib.parse import urlsplit
 from ..benchdata import DATA, data_file
 from ..errors import QRecoverError
 from ..progress import progress
-from .results import Metric
+from ..reports.results import Metric
 
 ALPACA_METRIC = "alpacaeval"  # the metric's name in results files and reports
 NO_JUDGE = "no judge configured"
