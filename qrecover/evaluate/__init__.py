@@ -23,4 +23,13 @@ class _CallablePackage(types.ModuleType):
         return evaluate(*args, **kwargs)
 
 
+def __getattr__(name: str) -> Any:
+    """``qrecover.evaluate.evaluate``: the function, imported on first use (torch, transformers, lm-eval)."""
+    if name == "evaluate":
+        from .runner import evaluate  # lazy: see _CallablePackage
+
+        return evaluate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 sys.modules[__name__].__class__ = _CallablePackage
