@@ -1,37 +1,43 @@
-"""Recovery training speed on a GPU (issue 14): tokens/s, peak memory and model-FLOPs utilisation for a
-1B-parameter Llama-style model, and the projected wall time for 1B and 10B tokens on 1 and 8 GPUs.
+"""Recovery training speed (issues 14, 23): steady-state tokens/s and model-FLOPs utilisation after warm-up, the
+warm-up apart, peak memory, host synchronisations and operator dispatches per step, and the projected wall time for
+1B and 10B tokens on 1 and 8 GPUs, for a 1B-parameter Llama-style model.
 
 On the GPU machine (one command; nothing to download: the model is built from Llama-3.2-1B's geometry with
 random weights, a byte-level tokenizer and a synthetic text are generated):
 
-    python benchmarks/train_speed.py                     # build + compress + train, ~6-9 min on one H100
+    python benchmarks/train_speed.py --budget-s 240      # build + compress + train + table within 4 minutes
     python benchmarks/train_speed.py --batches 1,2,4,8   # micro-batch sizes to try (seq 2048)
+    python benchmarks/train_speed.py --micro-batch auto  # the largest micro-batch that fits (CUDA; 1 on a CPU)
+
+On this CPU, end to end on a tiny config in seconds (what tests/test_train_speed.py runs; timings are the
+plumbing's, not a GPU's):
+
+    python benchmarks/train_speed.py --tiny
 
 Steps: the model (16 layers, hidden 2048, intermediate 8192, 32 heads / 8 KV heads, vocabulary 128256, tied
 head: 1.24 B parameters) is saved in fp32 (what ``compress`` reads) under benchmarks/out/train_speed/;
 ``qrecover.api.compress`` at 3.5 bpw over the linear layers (3- and 4-bit palettization, no error feedback: the
-values do not change the speed, and it saves minutes) on CUDA; then for each micro-batch size,
+values do not change the speed, and it saves minutes) on the device; then for each micro-batch size,
 ``qrecover.recovery.api.recover`` with rank 16 on every projection, distillation from the unquantized model
-(the teacher in bf16 on the same GPU), bf16 autocast, sequences of 2048 tokens, the dequantized-weight cache on,
-``--steps`` optimizer steps of one micro-batch each (the first is timed too: a conservative figure). A size
-that runs out of memory is reported as such. tokens/s and peak memory come from the trainer's own summary
-(``torch.cuda.max_memory_allocated``).
+(the teacher in bf16 on the same GPU), bf16 autocast, sequences of 2048 tokens, ``--steps`` optimizer steps of
+one micro-batch each. The trainer reads the loss back at its first 2 steps (the warm-up: compilation, allocator,
+autotuning) and then only every ``--log-every`` steps: steady-state tokens/s is the tokens after the warm-up over
+the time after it; the warm-up's seconds are reported apart. Every optimizer step runs under
+:class:`qrecover.recovery.host_sync.HostSyncCounter`: the host synchronisations (device reads) and ATen operator
+dispatches (about one kernel launch each on a GPU) per steady-state step are printed (median); on the CPU these
+counts are what a GPU run would see, the timings not. A size that runs out of memory is reported as such.
 
 FLOPs per trained token, counted as work the model must do: the frozen student's forward (``2 N``) and its
 backward to the activations (``2 N``: no weight gradients for a frozen base; LoRA's are negligible), the
 teacher's forward (``2 N``), N = the parameters of every matrix multiply (linear layers and the head), plus
-causal attention (``2 L s d`` per token per forward, twice that for a backward). MFU = tokens/s x that /
-the GPU's dense bf16 peak (H100/H200 SXM: 989 TFLOP/s; ``--peak-tflops`` to override).
+causal attention (``2 L s d`` per token per forward, twice that for a backward). MFU = steady-state tokens/s x
+that / the GPU's dense bf16 peak (H100/H200 SXM: 989 TFLOP/s; ``--peak-tflops`` to override).
 
-Projection: wall time = tokens / (tokens/s) on one GPU; on 8 GPUs the same divided by 8 (data parallel; the
-gradient all-reduce is the adapter's ~10-20 MB per step, small next to a step's compute). Not measured on 8
-GPUs: the machine has one.
+Projection: wall time = tokens / (steady-state tokens/s) on one GPU; on 8 GPUs the same divided by 8 (data
+parallel; the gradient all-reduce is the adapter's ~10-20 MB per step, small next to a step's compute). Not
+measured on 8 GPUs.
 
-On CPU, for the plumbing only (a toy model; timings mean nothing here):
-
-    python benchmarks/train_speed.py --quick
-
-Prints a Markdown table; writes benchmarks/out/train_speed-<device>.json.
+Prints a Markdown table; writes benchmarks/out/train_speed-<device>[-tiny].json.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import argparse
 import json
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,12 +58,16 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 from qrecover.io_utils import write_text_atomic  # noqa: E402
+from qrecover.recovery import train as T  # noqa: E402
+from qrecover.recovery.api import recover  # noqa: E402
+from qrecover.recovery.config import RecoverConfig  # noqa: E402
+from qrecover.recovery.host_sync import HostSyncCounter  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "train_speed"
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=500000.0)
-TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16
 
 
@@ -108,44 +119,146 @@ def flops_per_token(config: dict, seq_len: int) -> dict:
             "total": 6 * n + 4 * attn}
 
 
-def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int) -> dict:
-    from qrecover.recovery.api import recover
-    from qrecover.recovery.config import RecoverConfig
+class StepCounts:
+    """Wraps the trainer's optimizer step in :class:`HostSyncCounter` for one run: per step, host synchronisations
+    and ATen dispatches (``rows``)."""
 
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int]] = []
+        self._real = T.optimizer_step
+
+    def __enter__(self) -> "StepCounts":
+        def counted(ctx, micro):
+            with HostSyncCounter() as c:
+                out = self._real(ctx, micro)
+            self.rows.append((c.syncs, c.dispatches))
+            return out
+
+        T.optimizer_step = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        T.optimizer_step = self._real
+
+    def steady(self) -> dict:
+        """Medians over the steps after the warm-up (all steps when there are no more)."""
+        rows = self.rows[T.WARMUP_LOG_STEPS:] or self.rows
+        return {"syncs_per_step": statistics.median(r[0] for r in rows) if rows else None,
+                "dispatches_per_step": statistics.median(r[1] for r in rows) if rows else None,
+                "first_step_syncs": self.rows[0][0] if self.rows else None}
+
+
+def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
+               compile_layers: bool = False) -> dict:
+    """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
-                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision="auto")
+                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision="auto", log_every=log_every,
+                        compile_layers=compile_layers)
+    t0 = time.perf_counter()
     try:
-        meta = recover(ckpt, out, cfg, overwrite=True, show_progress=False)
+        with StepCounts() as counts:
+            meta = recover(ckpt, out, cfg, overwrite=True, show_progress=False)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         return {"batch": batch, "oom": str(e).splitlines()[0][:200]}
     t = meta["training"]
-    return {"batch": batch, "tokens": t["tokens"], "tok_per_s": t["tok_per_s"], "seconds": t["seconds"],
+    warm = t.get("warmup")
+    steady_tokens = t["tokens"] - warm["tokens"] if warm else t["tokens"]
+    steady_s = t["seconds"] - warm["seconds"] if warm else t["seconds"]
+    return {"batch": batch, "tokens": t["tokens"], "steps": t["steps"], "tok_per_s": steady_tokens / steady_s,
+            "tok_per_s_incl_warmup": t["tok_per_s"], "warmup_s": warm["seconds"] if warm else None,
+            "warmup_steps": warm["steps"] if warm else 0, "train_s": t["seconds"], "run_s": time.perf_counter() - t0,
             "peak_memory_gb": t["peak_memory_bytes"] / 1e9, "precision": t.get("mixed_precision"),
-            "init_seconds": meta["init"].get("seconds"), "adapter_mb": meta["bytes"]["tensors"] / 1e6}
+            "attention": t.get("attention"), "init_seconds": meta["init"].get("seconds"),
+            "adapter_mb": meta["bytes"]["tensors"] / 1e6, **counts.steady()}
+
+
+def auto_micro_batch(ckpt: Path, mix: Path, out: Path, seq_len: int, largest: int = 64) -> list[int]:
+    """``--micro-batch auto``: on CUDA, the largest power-of-two micro-batch whose training step fits (one 2-step
+    run per size, doubling until out of memory); on a CPU nothing to probe: ``[1]``."""
+    if not torch.cuda.is_available():
+        print("--micro-batch auto: no CUDA device, nothing to probe; micro-batch 1", flush=True)
+        return [1]
+    fits, b = 1, 1
+    while b <= largest:
+        r = train_once(ckpt, mix, out, b, seq_len, 2, 1)
+        if "oom" in r:
+            break
+        fits, b = b, 2 * b
+    print(f"--micro-batch auto: {fits} x {seq_len} fits ({2 * fits} did not, or the cap {largest})", flush=True)
+    return [fits]
+
+
+def projections(tok_per_s: float) -> dict:
+    return {f"{tokens:.0e} tokens, {gpus} GPU(s)": tokens / (tok_per_s * gpus) / 3600 for tokens in (1e9, 1e10) for gpus in (1, 8)}
+
+
+def print_table(result: dict) -> None:
+    fl, seq_len = result["flops_per_token"], result["seq_len"]
+    print(f"\n{result['device']}, seq {seq_len}, rank 16, kd (teacher on the training device, bf16 on a GPU), {result['steps']} steps per "
+          f"size; {fl['total'] / 1e9:.2f} GFLOP per token ({fl['params_matmul'] / 1e9:.3f} B matmul parameters); build "
+          f"{result['build_s']:.1f} s, compress {result['compress_s']:.1f} s, total {result['total_s']:.1f} s\n")
+    print("| micro-batch | steady tokens/s | TFLOP/s | MFU | warm-up (steps, s) | peak memory (GB) | host syncs / step "
+          "| dispatches / step | SVD init (s) |\n|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        if "oom" in r:
+            print(f"| {r['batch']} x {seq_len} | out of memory | | | | | | | |")
+            continue
+        init = f"{r['init_seconds']:.1f}" if r.get("init_seconds") is not None else ""
+        print(f"| {r['batch']} x {seq_len} | {r['tok_per_s']:,.0f} | {r['tflops']:.2f} | {100 * r['mfu']:.2f}% | "
+              f"{r['warmup_steps']}, {r['warmup_s'] or 0:.1f} | {r['peak_memory_gb']:.1f} | {r['syncs_per_step']:g} | "
+              f"{r['dispatches_per_step']:,.0f} | {init} |")
+    if result["projection_hours"]:
+        print("\n| tokens, GPUs | projected wall time (h) |\n|---|---|")
+        for k, h in result["projection_hours"].items():
+            print(f"| {k} | {h:,.1f} |")
+    if result["tiny"]:
+        print("\n(--tiny: a tiny config on this device; the counts per step are what a GPU run would see, the timings not)")
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", "--quick", action="store_true", help="a tiny config on this device, end to end in seconds")
+    ap.add_argument("--batches", default="1,2,4,8", help="micro-batch sizes to try")
+    ap.add_argument("--micro-batch", default=None, help="'auto': the largest that fits (CUDA; 1 on a CPU), or a size")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per batch size (the first 2 are the warm-up)")
+    ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="one run within this many seconds: micro-batch 4 (or --micro-batch), --steps, exit 1 if over")
+    ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    ap.add_argument("--out", type=Path, default=OUT.parent, help="where the model, checkpoint and JSON go")
+    args = ap.parse_args()
+    if args.steps < 1 or args.seq_len < 8 or (args.budget_s is not None and args.budget_s <= 0):
+        ap.error(f"--steps {args.steps} must be >= 1, --seq-len {args.seq_len} >= 8, --budget-s {args.budget_s} > 0")
+    if args.micro_batch not in (None, "auto") and not str(args.micro_batch).isdigit():
+        ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or a positive integer, e.g. --micro-batch 4")
+    return args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a toy model on this device (plumbing only)")
-    ap.add_argument("--batches", default="1,2,4,8", help="micro-batch sizes to try")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per batch size")
-    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
-    args = ap.parse_args()
+    args = parse()
+    t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config, seq_len = (TOY, 64) if args.quick else (LLAMA_1B, args.seq_len)
-    batches = [1, 2] if args.quick else [int(b) for b in args.batches.split(",")]
-    steps = 2 if args.quick else args.steps
-    d = OUT / ("toy" if args.quick else "llama-1b")
-    t0 = time.time()
+    config, seq_len = (TINY, 64) if args.tiny else (LLAMA_1B, args.seq_len)
+    steps = 4 if args.tiny else args.steps
+    d = args.out / "train_speed" / ("tiny" if args.tiny else "llama-1b")
     src = build(d, config)
-    build_s = time.time() - t0
+    build_s = time.perf_counter() - t_start
     compress_s = compress_model(src, d / "ckpt", device, min(seq_len, 512))
+    if args.micro_batch == "auto":
+        batches = auto_micro_batch(d / "ckpt", d / "mix.toml", d / "adapter-probe", seq_len)
+    elif args.micro_batch is not None:
+        batches = [int(args.micro_batch)]
+    elif args.budget_s is not None:
+        batches = [2 if args.tiny else 4]
+    else:
+        batches = [1, 2] if args.tiny else [int(b) for b in args.batches.split(",")]
     fl = flops_per_token(config, seq_len)
     rows = []
     for b in batches:
-        r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps)
+        r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops
@@ -153,32 +266,22 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     ok = [r for r in rows if "tok_per_s" in r]
     best = max(ok, key=lambda r: r["tok_per_s"]) if ok else None
-    projection = {}
-    if best:
-        for tokens in (1e9, 1e10):
-            for gpus in (1, 8):
-                projection[f"{tokens:.0e} tokens, {gpus} GPU(s)"] = tokens / (best["tok_per_s"] * gpus) / 3600
+    total_s = time.perf_counter() - t_start
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "config": config, "seq_len": seq_len, "steps": steps, "build_s": build_s,
-              "compress_s": compress_s, "flops_per_token": fl, "peak_tflops": args.peak_tflops, "rows": rows,
-              "best": best, "projection_hours": projection, "quick": args.quick}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(ROOT / "benchmarks" / "out" / f"train_speed-{device}.json", json.dumps(result, indent=1) + "\n")
-    print(f"\n{result['device']}, seq {seq_len}, rank 16, kd (teacher bf16 on the same GPU), {steps} steps per size; "
-          f"{fl['total'] / 1e9:.2f} GFLOP per token ({fl['params_matmul'] / 1e9:.3f} B matmul parameters)\n")
-    print("| micro-batch | tokens/s | peak memory (GB) | TFLOP/s | MFU |\n|---|---|---|---|---|")
-    for r in rows:
-        if "oom" in r:
-            print(f"| {r['batch']} x {seq_len} | out of memory | | | |")
-        else:
-            print(f"| {r['batch']} x {seq_len} | {r['tok_per_s']:,.0f} | {r['peak_memory_gb']:.1f} | {r['tflops']:.1f} | "
-                  f"{100 * r['mfu']:.1f}% |")
-    if projection:
-        print("\n| tokens, GPUs | projected wall time (h) |\n|---|---|")
-        for k, h in projection.items():
-            print(f"| {k} | {h:,.1f} |")
-    if args.quick:
-        print("\n(--quick: a toy model; the timings mean nothing)")
+              "compress_s": compress_s, "total_s": total_s, "budget_s": args.budget_s, "flops_per_token": fl,
+              "peak_tflops": args.peak_tflops, "rows": rows, "best": best,
+              "projection_hours": projections(best["tok_per_s"]) if best else {}, "tiny": args.tiny,
+              "threads": torch.get_num_threads()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.out / f"train_speed-{device}{'-tiny' if args.tiny else ''}.json",
+                      json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    if args.budget_s is not None:
+        within = total_s <= args.budget_s
+        print(f"\nbudget: {total_s:.1f} s of {args.budget_s:.0f} s ({'within' if within else 'OVER BUDGET'})")
+        if not within:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

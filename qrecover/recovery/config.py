@@ -49,10 +49,15 @@ class RecoverConfig(DictConfig):
     max_grad_norm: float = doc_field(1.0, "gradient clipping (global L2 norm); 0 disables")
     dropout: float = doc_field(0.0, "LoRA dropout")
     seed: int = doc_field(0, "seed for initialisation and data order")
+    log_every: int = doc_field(10, "optimizer steps between reads of the loss from the device (the progress bar's loss, the non-finite "
+                               "check); the steps between them never wait for the device. Checkpoints and the first 2 steps are read too")
     checkpoint_every: int = doc_field(50, "optimizer steps between resumable checkpoints; 0 = only at the end")
     gradient_checkpointing: bool = doc_field(False, "recompute activations in backward (less memory, ~30% slower)")
     precision: str = doc_field("auto", "'bf16' autocast (fp32 adapter weights and loss), 'fp32', or 'auto' = bf16 where the "
                                "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
+    compile_layers: bool = doc_field(False, "torch.compile each decoder layer of the student and the teacher (one graph per layer "
+                                     "kind, compiled in the first steps: the warm-up); for GPUs, off by default (on a CPU the "
+                                     "compilation costs more than it saves on short runs)")
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
     shard_base: bool = doc_field(False, "on several processes (torchrun, or accelerate launch without --use_fsdp): shard the "
                                  "frozen packed base across them with torch's FSDP2 (each decoder layer gathered as it runs) "
@@ -100,6 +105,8 @@ class RecoverConfig(DictConfig):
             raise QRecoverError(f"--temperature {self.temperature} must be positive")
         if not 0.0 <= self.warmup < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise QRecoverError(f"warmup={self.warmup} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every <= 0:
+            raise QRecoverError(f"--log-every {self.log_every!r} must be a positive number of steps, e.g. --log-every 10")
         if self.checkpoint_every < 0 or self.max_grad_norm < 0:
             raise QRecoverError("--checkpoint-every and max_grad_norm must not be negative")
         if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:

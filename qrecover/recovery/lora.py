@@ -174,20 +174,49 @@ def randomized_correction(error: torch.Tensor, rank: int, scaling: float, gram: 
     approximation is exact: ``Z = Q^T E``, the eigenvectors ``W`` of ``Z H Z^T (k, k)``, ``B A ~ Q W_r W_r^T Z``.
     Cost per round ``O(out in k)`` plus one product with ``H`` (``O(in^2 k)``, or ``O(tokens in k)`` from
     ``inputs (tokens, in)``), against ``O(in^3 + out in^2)`` for the exact path. Deterministic for a ``seed``.
+    One layer of :func:`randomized_corrections`.
     """
-    dev = error.device
-    e = error.to(dtype)
-    out_f, in_f = e.shape
+    return randomized_corrections([error], [rank], [scaling], gram, inputs, damp, oversample, iters, seed, dtype)[0]
+
+
+def randomized_corrections(errors: list[torch.Tensor], ranks: list[int], scalings: list[float],
+                           gram: torch.Tensor | None = None, inputs: torch.Tensor | None = None, damp: float = 0.01,
+                           oversample: int = OVERSAMPLE, iters: int = POWER_ITERS, seed: int = 0,
+                           dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`randomized_correction` for several layers that read the same inputs (q, k and v; gate and up), batched:
+    each round's products with ``H`` (the costly ones, ``tokens x in x k`` from ``inputs``) run as one product of
+    all the layers' ``(in, k_l)`` blocks side by side, so a group costs one pass over ``X`` per round instead of
+    one per layer. ``errors[l] (out_l, in)``; each layer starts from the same seeded Gaussian as it would alone, so
+    the result equals the per-layer one up to float32 summation order. Returns float64 ``(B, A)`` per layer."""
+    dev = errors[0].device
+    es = [e.to(dtype) for e in errors]
+    in_f = es[0].shape[1]
     h = _weighting(gram, inputs, damp, in_f, dtype, dev)
-    k = min(rank + oversample, out_f, in_f)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    y = torch.randn(out_f, k, generator=gen, device=dev, dtype=dtype)
+    ks = [min(r + oversample, e.shape[0], in_f) for r, e in zip(ranks, es)]
+
+    def h_all(blocks: list[torch.Tensor]) -> list[torch.Tensor]:  # [(in, k_l)] -> [H @ block], one product
+        return list(h(torch.cat(blocks, dim=1)).split([b.shape[1] for b in blocks], dim=1))
+
+    ys = []
+    for e, k in zip(es, ks):
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        ys.append(torch.randn(e.shape[0], k, generator=gen, device=dev, dtype=dtype))
     for _ in range(iters + 1):
-        q, _ = torch.linalg.qr(y)
-        y = e @ h(e.T @ q)
-    q, _ = torch.linalg.qr(y)
-    z = q.T @ e  # (k, in)
-    g = (z @ h(z.T)).double()
+        qs = [torch.linalg.qr(y)[0] for y in ys]
+        ys = [e @ hz for e, hz in zip(es, h_all([e.T @ q for e, q in zip(es, qs)]))]
+    qs = [torch.linalg.qr(y)[0] for y in ys]
+    zs = [q.T @ e for q, e in zip(qs, es)]  # (k_l, in)
+    hzs = h_all([z.T for z in zs])
+    return [_split_factors(q, z, z @ hz, r, s) for q, z, hz, r, s in zip(qs, zs, hzs, ranks, scalings)]
+
+
+def _split_factors(q: torch.Tensor, z: torch.Tensor, g: torch.Tensor, rank: int, scaling: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B (out, rank), A (rank, in))`` float64 from the range ``q (out, k)``, ``z = q^T E (k, in)`` and
+    ``g = z H z^T (k, k)``: the top ``rank`` eigenvectors ``W`` of ``g``, ``B A = q W W^T z`` with the singular
+    values shared evenly."""
+    dev, (out_f, k), in_f = q.device, q.shape, z.shape[1]
+    g = g.double()
     evals, w = torch.linalg.eigh((g + g.T) / 2)
     r = min(rank, k)
     evals, w = evals.flip(0)[:r].clamp_min(0.0), w.flip(1)[:, :r]
@@ -202,20 +231,42 @@ def randomized_correction(error: torch.Tensor, rank: int, scaling: float, gram: 
     return b, a
 
 
+def exact_here(error: torch.Tensor, method: str) -> bool:
+    """Whether ``method`` takes the exact float64 path for ``error``: 'exact', or 'auto' on a CPU for a layer of at
+    most ``EXACT_MAX_WIDTH`` rows and columns (cheap there, and the numbers the README reports). On a GPU 'auto' is
+    always randomized: float64 decompositions run there at a small fraction of float32 matmul speed."""
+    if method not in ("auto", "exact", "randomized"):
+        raise QRecoverError(f"svd init method {method!r} must be auto, exact or randomized")
+    return method == "exact" or (method == "auto" and error.device.type == "cpu" and max(error.shape) <= EXACT_MAX_WIDTH)
+
+
 def best_correction(error: torch.Tensor, rank: int, scaling: float, gram: torch.Tensor | None = None,
                     inputs: torch.Tensor | None = None, damp: float = 0.01, method: str = "auto", seed: int = 0,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, A)`` float64 by ``method``: 'exact' (:func:`lowrank_correction`, float64), 'randomized'
-    (:func:`randomized_correction`, float32 on ``error``'s device) or 'auto': exact for layers of at most
-    ``EXACT_MAX_WIDTH`` rows and columns (cheap there, and the numbers the README reports), randomized above."""
-    if method not in ("auto", "exact", "randomized"):
-        raise QRecoverError(f"svd init method {method!r} must be auto, exact or randomized")
-    if method == "exact" or (method == "auto" and max(error.shape) <= EXACT_MAX_WIDTH):
-        if gram is None and inputs is not None:
-            x = inputs.double()
-            gram = x.T @ x / x.shape[0]
-        return lowrank_correction(error, gram, rank, scaling, damp)
-    return randomized_correction(error, rank, scaling, gram, inputs, damp, seed=seed)
+    (:func:`randomized_correction`, float32 on ``error``'s device) or 'auto' (:func:`exact_here`)."""
+    return best_corrections([error], [rank], [scaling], gram, inputs, damp, method, seed)[0]
+
+
+def best_corrections(errors: list[torch.Tensor], ranks: list[int], scalings: list[float], gram: torch.Tensor | None = None,
+                     inputs: torch.Tensor | None = None, damp: float = 0.01, method: str = "auto", seed: int = 0,
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`best_correction` for layers that read the same inputs: the exact ones one by one, the randomized ones
+    batched (:func:`randomized_corrections`, one pass over the inputs per round for all of them)."""
+    exact = [exact_here(e, method) for e in errors]
+    out: list[Any] = [None] * len(errors)
+    if any(exact) and gram is None and inputs is not None:
+        x = inputs.double()
+        gram = x.T @ x / x.shape[0]
+    for i in (i for i, ex in enumerate(exact) if ex):
+        out[i] = lowrank_correction(errors[i], gram, ranks[i], scalings[i], damp)
+    rand = [i for i, ex in enumerate(exact) if not ex]
+    if rand:
+        got = randomized_corrections([errors[i] for i in rand], [ranks[i] for i in rand], [scalings[i] for i in rand],
+                                     gram if inputs is None else None, inputs, damp, seed=seed)
+        for i, ba in zip(rand, got):
+            out[i] = ba
+    return out
 
 
 def init_device() -> torch.device:
@@ -262,9 +313,10 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
 
     ``teacher``: the unquantized model (same module names); ``windows``: ``(n, seq_len)`` calibration token ids,
     run through the teacher (one batch) to see each layer's inputs ``X (n * seq_len, in)``, ``H = X^T X / tokens``.
-    Each layer is corrected in a hook as its inputs appear (:func:`best_correction` with ``method``, on ``device``,
-    default :func:`init_device`) and its inputs dropped after, so one layer's inputs are held at a time (q/k/v and
-    gate/up, which read the same tensor, share one copy); no ``in x in`` matrix is formed for the randomized path.
+    The layers that read one input tensor (q/k/v, gate/up) are corrected together once their inputs have appeared
+    (:func:`best_corrections` with ``method``, on ``device``, default :func:`init_device`: the randomized ones
+    batched, one pass over the inputs per round for the group) and the inputs dropped after, so one group's inputs
+    are held at a time; no ``in x in`` matrix is formed for the randomized path.
     Returns, per layer, the fraction of its output error on those inputs, ``tr(E H E^T)``, that the initial
     adapter removes, and under ``"_total"`` the same over all layers together.
     """
@@ -277,31 +329,45 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     dev = torch.device(device) if device is not None else init_device()
     captured: dict[str, float] = {}
     sums = {"before": 0.0, "after": 0.0}
-    last: dict[str, Any] = {}  # the inputs of the layer being corrected: (the tensor seen, its copy on dev)
+    group: dict[str, Any] = {"seen": None, "x": None, "names": []}  # layers reading one input tensor, corrected together
+
+    @torch.no_grad()  # also after the teacher's forward (the last group)
+    def flush() -> None:
+        names, xs = group["names"], group["x"]
+        if not names:
+            return
+        mods = [layers[n] for n in names]
+        errors = []
+        for n in names:
+            w = modules[n].weight.detach().to(dev)
+            dt = torch.float64 if exact_here(w, method) else torch.float32  # the randomized path runs in float32
+            errors.append(w.to(dt) - layers[n].base_layer.weight.detach().to(dev, dt))
+        found = best_corrections(errors, [m.lora_A["default"].weight.shape[0] for m in mods],
+                                 [m.scaling["default"] for m in mods], inputs=xs, damp=damp, method=method, seed=seed)
+        for n, mod, error, (b, a) in zip(names, mods, errors, found):
+            a_w, b_w, scaling = mod.lora_A["default"].weight, mod.lora_B["default"].weight, mod.scaling["default"]
+            b_w.copy_(b.to(b_w))
+            a_w.copy_(a.to(a_w))
+            # output errors on the inputs, tr(E H E^T) = ||X E^T||^2 / tokens, with the adapter as stored
+            xe = xs @ error.float().T
+            rest = xe - scaling * (xs @ a_w.detach().to(dev, torch.float32).T) @ b_w.detach().to(dev, torch.float32).T
+            e0, e1 = float(xe.double().square().sum()) / xs.shape[0], float(rest.double().square().sum()) / xs.shape[0]
+            captured[n] = 1.0 - e1 / e0 if e0 > 0 else 0.0
+            sums["before"] += e0
+            sums["after"] += e1
+        group["names"] = []
 
     def correct(name: str, x: torch.Tensor) -> None:
-        mod = layers[name]
-        if last.get("seen") is not x:
-            last["seen"], last["x"] = x, x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
-        xs = last["x"]
-        a_w, b_w = mod.lora_A["default"].weight, mod.lora_B["default"].weight
-        scaling = mod.scaling["default"]
-        error = modules[name].weight.detach().to(dev, torch.float64) - mod.base_layer.weight.detach().to(dev, torch.float64)
-        b, a = best_correction(error, a_w.shape[0], scaling, inputs=xs, damp=damp, method=method, seed=seed)
-        b_w.copy_(b.to(b_w))
-        a_w.copy_(a.to(a_w))
-        # output errors on the inputs, tr(E H E^T) = ||X E^T||^2 / tokens, with the adapter as stored
-        xe = xs @ error.float().T
-        rest = xe - scaling * (xs @ a_w.detach().to(dev, torch.float32).T) @ b_w.detach().to(dev, torch.float32).T
-        e0, e1 = float(xe.double().square().sum()) / xs.shape[0], float(rest.double().square().sum()) / xs.shape[0]
-        captured[name] = 1.0 - e1 / e0 if e0 > 0 else 0.0
-        sums["before"] += e0
-        sums["after"] += e1
+        if group["seen"] is not x:  # a new input tensor: the layers of the previous one are complete
+            flush()
+            group["seen"], group["x"] = x, x.detach().reshape(-1, x.shape[-1]).to(dev, torch.float32)
+        group["names"].append(name)
 
     try:
         each_layer_input(teacher, windows, list(layers), correct, "use --init zero")
+        flush()
     finally:
-        last.clear()
+        group.clear()
     before, after = sums["before"], sums["after"]
     captured = {n: captured[n] for n in layers}
     captured["_total"] = 1.0 - after / before if before > 0 else 0.0

@@ -127,9 +127,17 @@ class _Fused(torch.autograd.Function):
         return (None if grad is None else grad * grad_out.to(grad.dtype)), None, None, None, None
 
 
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """``(n,)`` int64: the flat indices into ``(batch * (seq - 1))`` of the predicted positions that carry a label
+    (``labels[:, 1:] != -100``), row-major. A data-dependent shape: the training loop computes it on the host from
+    the batch's CPU labels (no device read) and passes it to :func:`chunked_loss` as ``keep``."""
+    return (labels[:, 1:] != -100).reshape(-1).nonzero().squeeze(1)
+
+
 def chunked_loss(objective: str, student_hidden: torch.Tensor, labels: torch.Tensor, student_head: Head,
                  teacher_hidden: torch.Tensor | None = None, teacher_head: Head | None = None, kd_weight: float = 0.5,
-                 temperature: float = 1.0, chunk: int = 1024, fused: bool = False) -> torch.Tensor:
+                 temperature: float = 1.0, chunk: int = 1024, fused: bool = False,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`loss_fn` from hidden states, ``chunk`` predicted positions at a time.
 
     ``student_hidden (batch, seq, hidden)``: the student's final hidden states (after its final norm);
@@ -140,15 +148,20 @@ def chunked_loss(objective: str, student_hidden: torch.Tensor, labels: torch.Ten
     (``torch.utils.checkpoint``; gradients reach everything, the head's parameters included). ``fused=True``: the
     gradient with respect to ``student_hidden`` is computed chunk by chunk in the forward pass and stored
     (``(n, hidden)``), no recomputation; the heads' parameters get no gradient (for frozen heads: the adapters').
+    ``keep (n,)``: :func:`label_positions` of ``labels``, on the student's device; None computes it here, which
+    reads the labels back to the host on a GPU (the number of positions decides the shapes).
     """
     if objective != "ce" and (teacher_hidden is None or teacher_head is None):
         raise ValueError(f"objective {objective!r} needs the teacher's hidden states and head")
     if chunk <= 0:
         raise ValueError(f"chunk {chunk} must be a positive number of positions")
-    keep = labels[:, 1:] != -100
-    hs = student_hidden[:, :-1][keep]  # (n, hidden): only the positions that carry a label
-    targets = labels[:, 1:][keep]
-    ht = None if objective == "ce" else teacher_hidden[:, :-1][keep.to(teacher_hidden.device)]
+    if keep is None:
+        keep = label_positions(labels)
+    # (n, hidden): only the positions that carry a label, gathered by index (a shape known on the host)
+    hs = student_hidden[:, :-1].reshape(-1, student_hidden.shape[-1]).index_select(0, keep)
+    targets = labels[:, 1:].reshape(-1).index_select(0, keep)
+    ht = None if objective == "ce" else teacher_hidden[:, :-1].reshape(-1, teacher_hidden.shape[-1]).index_select(
+        0, keep.to(teacher_hidden.device))
     n = targets.numel()
     args = (student_head, teacher_head, objective, kd_weight, temperature)
     if fused:
@@ -285,7 +298,8 @@ def place_teacher(teacher: nn.Module, device: torch.device, precision: str, teac
 # --- one micro-batch ------------------------------------------------------------------------------------
 
 def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, labels: torch.Tensor, cfg: Any,
-              autocast: Callable[[], contextlib.AbstractContextManager], precision: str = "no") -> torch.Tensor:
+              autocast: Callable[[], contextlib.AbstractContextManager], precision: str = "no",
+              keep: torch.Tensor | None = None) -> torch.Tensor:
     """The training loss of one micro-batch ``ids, labels (batch, seq)`` (on the student's device) under ``cfg``
     (a :class:`~qrecover.recovery.config.RecoverConfig`): the student's forward (with gradients), the teacher's
     (none) for 'kd'/'mix', and :func:`chunked_loss` with ``cfg.loss_chunk`` positions per chunk; or, with
@@ -293,6 +307,8 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
 
     ``autocast()``: the training loop's mixed-precision context; ``precision``: what it resolved to ("bf16"/"no"),
     which decides whether the teacher is cast to bf16 on CUDA (:func:`place_teacher`, ``cfg.teacher_device``).
+    ``keep``: :func:`label_positions` of ``labels`` computed on the host (the training loop's), so that the step
+    reads nothing back from the device.
     """
     use_teacher = teacher is not None and cfg.objective != "ce"
     t_dev = place_teacher(teacher, ids.device, precision, cfg.teacher_device) if use_teacher else None
@@ -317,4 +333,4 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
     with autocast():
         hidden = hidden_states(model, ids)
         return chunked_loss(cfg.objective, hidden, labels, s_head, teacher_hidden, t_head, cfg.kd_weight,
-                            cfg.temperature, chunk, fused=not head_trains)
+                            cfg.temperature, chunk, fused=not head_trains, keep=keep)

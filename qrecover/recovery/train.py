@@ -38,6 +38,7 @@ code (a file with any other pickled object is refused).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -48,7 +49,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -57,9 +58,11 @@ from rich.progress import TextColumn
 
 from ..errors import QRecoverError
 from ..io_utils import atomic_file
+from ..models import decoder_layers
 from ..progress import progress
 from ..qlinear import QuantLinear, local_packed_bytes, packed_as_parameters
 from . import objective
+from .attention import causal_sdpa
 from .config import RecoverConfig
 from .schedule import lr_scheduler
 
@@ -215,7 +218,8 @@ def _progress(show: bool):
 
 # Settings that only say how a step is executed (not what it computes): a resumed run may change them, the split of the
 # global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
-EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "gradient_checkpointing", "cache_dequantized", "loss_chunk",
+EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "log_every", "compile_layers", "gradient_checkpointing",
+                    "cache_dequantized", "loss_chunk",
                     "teacher_device", "shard_base")
 
 
@@ -247,15 +251,43 @@ def check_resume(saved: dict[str, Any], saved_world: int, cfg: RecoverConfig, wo
             "or --overwrite")
 
 
-def _loss_weights(micro: list[tuple[torch.Tensor, torch.Tensor]], accelerator: Any) -> list[float]:
+class Micro(NamedTuple):
+    """One micro-batch on the training device, with what the host knows of it: ``ids, labels (batch, seq)``,
+    ``keep (n,)`` the flat indices of its predicted positions that carry a label
+    (:func:`objective.label_positions`, computed from the CPU labels) and ``count = n``."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    keep: torch.Tensor
+    count: int
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device``: on CUDA through page-locked memory and a non-blocking copy, so that the
+    copy overlaps the step already queued instead of stopping the host (a pageable copy is synchronous)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def prepare_micro(ids: torch.Tensor, labels: torch.Tensor, device: torch.device) -> Micro:
+    """A host micro-batch ``(ids, labels)`` made ready for a step that reads nothing back: its label positions
+    and their count computed here, on the CPU, then everything copied to ``device`` (:func:`to_device`)."""
+    keep = objective.label_positions(labels)
+    return Micro(to_device(ids, device), to_device(labels, device), to_device(keep, device), int(keep.numel()))
+
+
+def _loss_weights(micro: list[Micro], accelerator: Any) -> list[float] | list[torch.Tensor]:
     """Per micro-batch, the factor on its mean loss that makes the step's gradient the mean over every loss token of
     the global batch: ``n_i * world / N`` (``n_i`` its predicted positions with a label, ``N`` the step's over all
-    processes; ``world`` because data parallelism averages the processes' gradients)."""
-    counts = [int((labels[:, 1:] != -100).sum()) for _, labels in micro]
-    total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=accelerator.device)
-    total = float(accelerator.reduce(total, "sum")) if accelerator.num_processes > 1 else float(total)
-    if total == 0:  # no label anywhere: every micro-batch loss is NaN and stops the run as before
-        return [1.0 / len(micro)] * len(micro)
+    processes; ``world`` because data parallelism averages the processes' gradients). One process: plain floats from
+    the host's counts. Several: ``N`` is all-reduced on the device and the factors stay device scalars (no read)."""
+    counts = [m.count for m in micro]
+    if accelerator.num_processes == 1:
+        total = sum(counts)
+        return [n / total for n in counts] if total else [1.0 / len(micro)] * len(micro)
+    # with no label anywhere N = 0: the factors are inf/NaN and so is the loss, which stops the run at its next log
+    total = accelerator.reduce(torch.tensor(float(sum(counts)), dtype=torch.float32, device=accelerator.device), "sum")
     return [n * accelerator.num_processes / total for n in counts]
 
 
@@ -275,8 +307,6 @@ def shard_base(model: nn.Module, device: torch.device, world: int) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-
-    from ..models import decoder_layers
 
     try:
         from torch.distributed.fsdp import fully_shard
@@ -319,6 +349,25 @@ def _packed_bytes_per_process(model: nn.Module, accelerator: Any) -> list[int]:
     return [int(b) for b in (accelerator.gather(mine) if accelerator.num_processes > 1 else mine).tolist()]
 
 
+def compile_layers(model: nn.Module) -> int:
+    """``torch.compile`` every decoder layer of ``model`` (transformers, unwrapped) in place (``nn.Module.compile``:
+    the module keeps its parameters, names and hooks); returns how many. Idempotent."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile()
+    return len(layers)
+
+
+def _fused_adamw(params: list[torch.Tensor]) -> bool | None:
+    """Whether torch's fused AdamW runs for ``params`` (floating point, all on one device type it supports)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    kinds = {p.device.type for p in params}
+    ok = len(kinds) == 1 and kinds <= set(_get_fused_kernels_supported_devices()) and all(p.is_floating_point() for p in params)
+    return True if ok else None
+
+
 def _set_grad_sync(model: nn.Module, sync: bool) -> None:
     """DDP: all-reduce gradients in this micro-batch's backward or not (what ``no_sync()`` sets, as a flag, so the
     accumulation loop needs no context manager around its forward). Other wrappers sync every micro-batch."""
@@ -337,6 +386,118 @@ def _batches(stream: Iterator[dict[str, torch.Tensor]], batch_size: int, rank: i
     while True:
         seqs = [next(stream) for _ in range(batch_size * world)][rank::world]
         yield torch.stack([s["input_ids"] for s in seqs]), torch.stack([s["labels"] for s in seqs])
+
+
+#: the first optimizer steps of a run (compilation, allocator growth, autotuning) are read at once and reported apart
+#: as its warm-up (``summary["warmup"]``), so steady-state throughput is measured after them
+WARMUP_LOG_STEPS = 2
+
+
+class StepContext(NamedTuple):
+    """What one optimizer step needs, fixed for a run."""
+
+    model: nn.Module
+    teacher: nn.Module | None
+    optimizer: Any
+    scheduler: Any
+    params: list[torch.Tensor]
+    cfg: RecoverConfig
+    accelerator: Any
+    autocast: Callable[[], Any]
+    precision: str
+    sharded: bool
+
+
+def optimizer_step(ctx: StepContext, micro: list[Micro]) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` prepared micro-batches; returns the step's loss (the global batch's
+    token mean on this process) as a device scalar. Reads nothing back from the device: no ``.item()``, no
+    data-dependent shape, no finiteness test (the loss is checked where it is read, :func:`_read_losses`), so a GPU
+    runs ahead of Python (tested with :class:`~qrecover.recovery.host_sync.HostSyncCounter`)."""
+    weights = _loss_weights(micro, ctx.accelerator)
+    step_loss = torch.zeros((), device=ctx.accelerator.device)
+    for i, m in enumerate(micro):
+        _set_grad_sync(ctx.model, i == len(micro) - 1)  # gradients all-reduced once per step
+        loss = objective.step_loss(ctx.model, ctx.teacher, m.ids, m.labels, ctx.cfg, ctx.autocast, ctx.precision, keep=m.keep)
+        # each backward() sums gradients: weighted, the step's gradient is the global batch's token mean
+        ctx.accelerator.backward(loss * weights[i])
+        step_loss = step_loss + loss.detach().float() * weights[i]
+    if ctx.sharded:
+        _average_adapter_grads(ctx.params, ctx.accelerator.num_processes)
+    if ctx.cfg.max_grad_norm > 0:
+        ctx.accelerator.clip_grad_norm_(ctx.params, ctx.cfg.max_grad_norm)
+    ctx.optimizer.step()
+    ctx.scheduler.step()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+def _read_losses(pending: list[tuple[int, int, float, torch.Tensor]], accelerator: Any, run_dir: Path
+                 ) -> list[dict[str, Any]]:
+    """The history entries of the ``pending`` steps ``(step, tokens, lr, loss on the device)``: their losses averaged
+    over the processes and read in one transfer (the only device read between logging steps). A non-finite loss
+    stops the run, naming its step; no checkpoint was written after it (checkpoints are written at reads)."""
+    losses = torch.stack([loss for *_, loss in pending])
+    if accelerator.num_processes > 1:
+        losses = accelerator.reduce(losses, "mean")
+    values = losses.tolist()
+    for (step, *_), value in zip(pending, values):
+        if not math.isfinite(value):
+            last = latest_checkpoint(run_dir)
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+            raise NonFiniteLoss(f"training loss became {value} at step {step}; stopped. {where}. "
+                                "Lower --lr (or raise --grad-accum) and rerun with --resume")
+    return [{"step": step, "tokens": tokens, "loss": value, "lr": lr} for (step, tokens, lr, _), value in zip(pending, values)]
+
+
+def _loop(ctx: StepContext, stream: Iterator[tuple[torch.Tensor, torch.Tensor]], loader: Any, run_dir: Path,
+          history: list[dict[str, Any]], step: int, tokens: int, steps: int, callback: Callable | None,
+          show_progress: bool, description: str) -> tuple[int, int, float, dict[str, Any] | None]:
+    """Optimizer steps ``step + 1 .. steps``; returns ``(step, tokens, training seconds, warm-up record)``. The
+    losses stay on the device and are read at logging steps only (:func:`_read_losses`): the first
+    :data:`WARMUP_LOG_STEPS`, every ``cfg.log_every``-th, the last, checkpoint steps, and every step with a callback."""
+    cfg, accelerator, model, optimizer, scheduler = ctx.cfg, ctx.accelerator, ctx.model, ctx.optimizer, ctx.scheduler
+    world = accelerator.num_processes
+    pending: list[tuple[int, int, float, torch.Tensor]] = []  # (step, tokens, lr, loss on the device) not yet read
+    step0, tokens0, train_seconds, warmup = step, tokens, 0.0, None
+    with _progress(show_progress and accelerator.is_main_process) as bar:
+        task = bar.add_task(description, total=steps * cfg.tokens_per_step * world, completed=tokens,
+                            speed=0.0, loss=float("nan"))
+        while step < steps:
+            # --- one optimizer step: grad_accum micro-batches, prepared on the host, run without a device read --
+            t_step = time.perf_counter()
+            micro = [prepare_micro(*next(stream), accelerator.device) for _ in range(cfg.grad_accum)]
+            loss = optimizer_step(ctx, micro)
+            step += 1
+            tokens += cfg.tokens_per_step * world
+            pending.append((step, tokens, scheduler.get_last_lr()[0], loss))
+            checkpointing = accelerator.is_main_process and cfg.checkpoint_every and (
+                step % cfg.checkpoint_every == 0 or step == steps)
+            logging = (step - step0 <= WARMUP_LOG_STEPS or step == steps or step % max(1, cfg.log_every) == 0
+                       or bool(checkpointing) or callback is not None)
+            if logging:  # the one device read of these steps: their losses (a checkpoint or the hook needs them)
+                history.extend(_read_losses(pending, accelerator, run_dir))
+                pending.clear()
+            train_seconds += time.perf_counter() - t_step  # checkpoints and the caller's hook are not training
+            speed = (tokens - tokens0) / train_seconds
+            if logging:
+                history[-1].update(tok_per_s=speed, seconds=train_seconds)
+            if step - step0 == WARMUP_LOG_STEPS:  # compilation, allocator and autotuning happen here: timed apart
+                warmup = {"steps": WARMUP_LOG_STEPS, "seconds": train_seconds, "tokens": tokens - tokens0}
+            bar.update(task, completed=tokens, speed=speed, loss=history[-1]["loss"] if history else float("nan"))
+
+            # --- checkpoint, then the caller's hook (both only at logging steps: the losses are read) ------
+            if checkpointing:
+                _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
+                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "world": world, "step": step, "tokens": tokens,
+                    "history": history,
+                    "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "loader": loader.state_dict(), "rng": _rng_state()})
+            if logging:
+                accelerator.wait_for_everyone()
+            if callback is not None and accelerator.is_main_process:
+                callback({"step": step, "tokens": tokens, "loss": history[-1]["loss"], "model": accelerator.unwrap_model(model)})
+    return step, tokens, train_seconds, warmup
 
 
 def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teacher: nn.Module | None = None,
@@ -389,10 +550,14 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not _trainable(model):
         raise QRecoverError("the model has no trainable parameters; attach an adapter first")
+    if cfg.compile_layers:  # each decoder layer its own graph, compiled at its first call (the warm-up steps)
+        for net in (model, teacher) if teacher is not None else (model,):
+            compile_layers(objective._unwrap(net))
     if sharded:  # before the optimizer: it holds the adapter parameters FSDP leaves in place (moved to the device)
         shard_base(model, accelerator.device, world)
     params = list(_trainable(model).values())
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused AdamW (one kernel per step on CUDA and CPU): the for-each one reads each step count back with .item()
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=_fused_adamw(params))
     # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
     scheduler = lr_scheduler(optimizer, cfg, steps)  # warm-up + cosine, or WSD (cfg.schedule; schedule.py)
     if sharded:  # FSDP is the model's parallelism: accelerate must not wrap it in DDP as well
@@ -437,60 +602,23 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     if step < steps:
         stream = itertools.chain([next(stream)], stream)
     setup_seconds = time.perf_counter() - t_setup
-    train_seconds, tokens0 = 0.0, tokens
+    tokens0 = tokens
     if callback is not None and accelerator.is_main_process and step == 0:
         callback({"step": 0, "tokens": 0, "loss": float("nan"), "model": accelerator.unwrap_model(model)})
         model.train()
-    with _progress(show_progress and accelerator.is_main_process) as bar:
-        task = bar.add_task(description, total=steps * cfg.tokens_per_step * world, completed=tokens,
-                            speed=0.0, loss=float("nan"))
-        while step < steps:
-            # --- one optimizer step: grad_accum micro-batches ------------------------------------------
-            t_step = time.perf_counter()
-            step_loss = 0.0
-            micro = [next(stream) for _ in range(cfg.grad_accum)]
-            weights = _loss_weights(micro, accelerator)
-            for i, (ids, labels) in enumerate(micro):
-                _set_grad_sync(model, i == len(micro) - 1)  # gradients all-reduced once per step
-                ids, labels = ids.to(accelerator.device), labels.to(accelerator.device)
-                loss = objective.step_loss(model, teacher, ids, labels, cfg, autocast, precision)
-                if not torch.isfinite(loss):
-                    last = latest_checkpoint(run_dir)
-                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-                    raise NonFiniteLoss(f"training loss became {loss.item()} at step {step + 1}; stopped. {where}. "
-                                        "Lower --lr (or raise --grad-accum) and rerun with --resume")
-                # each backward() sums gradients: weighted, the step's gradient is the global batch's token mean
-                accelerator.backward(loss * weights[i])
-                step_loss += loss.item() * weights[i]
-            if sharded:
-                _average_adapter_grads(params, world)
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += cfg.tokens_per_step * world
-            step_loss = accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), "mean").item()
-            train_seconds += time.perf_counter() - t_step  # checkpoints and the caller's hook are not training
-            speed = (tokens - tokens0) / train_seconds
-            history.append({"step": step, "tokens": tokens, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                            "tok_per_s": speed})
-            bar.update(task, completed=tokens, speed=speed, loss=step_loss)
-
-            # --- checkpoint, then the caller's hook ----------------------------------------------------
-            if accelerator.is_main_process and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == steps):
-                _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
-                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "world": world, "step": step, "tokens": tokens,
-                    "history": history,
-                    "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "loader": loader.state_dict(), "rng": _rng_state()})
-            accelerator.wait_for_everyone()
-            if callback is not None and accelerator.is_main_process:
-                callback({"step": step, "tokens": tokens, "loss": step_loss, "model": accelerator.unwrap_model(model)})
+    ctx = StepContext(model, teacher, optimizer, scheduler, params, cfg, accelerator, autocast, precision, sharded)
+    step0 = step
+    with contextlib.ExitStack() as scope:
+        # SDPA with is_causal and no mask built (the mask builder reads the device at every forward; attention.py);
+        # not with a callback, which reads every step anyway and may evaluate padded batches that need masks
+        attention = scope.enter_context(causal_sdpa(objective._unwrap(model), cfg.seq_len, callback is None))
+        if teacher is not None and callback is None:
+            scope.enter_context(causal_sdpa(objective._unwrap(teacher), cfg.seq_len))
+        step, tokens, train_seconds, warmup = _loop(ctx, stream, loader, run_dir, history, step, tokens, steps,
+                                                    callback, show_progress, description)
     model.eval()
     return {"steps": step, "tokens": tokens, "final_loss": history[-1]["loss"] if history else None,
+            "warmup": warmup if step - step0 > WARMUP_LOG_STEPS else None, "attention": attention,
             "tok_per_s": (tokens - tokens0) / train_seconds if train_seconds > 0 else None,
             "seconds": train_seconds, "data_setup_seconds": setup_seconds,
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,

@@ -1,0 +1,116 @@
+"""The training step never waits on the device (issue 23): no host synchronisation between logging steps.
+
+Runs real recovery training (distillation, chunked fused loss, 2 micro-batches per step) with every optimizer
+step under :class:`~qrecover.recovery.host_sync.HostSyncCounter` (``Tensor.item``/``tolist``/``cpu``/``numpy``/
+``__bool__``/``__float__``/``__int__``, ``torch.cuda.synchronize``, and at the dispatcher every value read and
+data-dependent shape) and asserts that after the first step (the one-off head check) none reads the device; that
+the logging steps do (their losses, in one transfer); that the counter itself catches each kind of read; that the
+host prepares label positions equal to the boolean mask's; and that batches go through pinned memory with a
+non-blocking copy when the device is CUDA (a stand-in device: this machine has none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from qrecover.recovery import objective as O
+from qrecover.recovery import train as T
+from qrecover.recovery.api import recover
+from qrecover.recovery.config import RecoverConfig
+from qrecover.recovery.host_sync import HostSyncCounter
+
+
+def test_counter_catches_every_kind_of_read():
+    x = torch.arange(6.0)
+    reads = [lambda: x.sum().item(), lambda: float(x[0]), lambda: bool(x[1] > 0), lambda: x.tolist(),
+             lambda: x[x > 2], lambda: torch.nonzero(x), lambda: x.numpy(), lambda: int(x[2]),
+             lambda: x.masked_select(x > 1)]
+    for read in reads:
+        with HostSyncCounter() as c:
+            read()
+        assert c.syncs >= 1, read
+    with HostSyncCounter() as c:
+        y = (x * 2).index_select(0, torch.tensor([1, 3])).sum()
+    assert c.syncs == 0 and c.dispatches >= 3 and y.shape == ()
+    assert torch.Tensor.item is not None and float(x[1]) == 1.0  # restored: plain calls work after
+
+
+def test_label_positions_equal_the_boolean_mask():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 9, (3, 11), generator=g)
+    labels[0, :4] = -100
+    labels[2, 7] = -100
+    hidden = torch.randn(3, 11, 5, generator=g, dtype=torch.float64)
+    keep = O.label_positions(labels)
+    mask = labels[:, 1:] != -100
+    assert torch.equal(hidden[:, :-1].reshape(-1, 5).index_select(0, keep), hidden[:, :-1][mask])
+    assert keep.numel() == int(mask.sum())
+
+
+def test_no_device_read_between_logging_steps(tiny_ckpt, text_mix, tmp_path, monkeypatch):
+    per_step: list[HostSyncCounter] = []
+    reads: list[tuple[list[int], int]] = []
+    real_step, real_read = T.optimizer_step, T._read_losses
+
+    def counted_step(ctx, micro):
+        with HostSyncCounter() as c:
+            out = real_step(ctx, micro)
+        per_step.append(c)
+        return out
+
+    def counted_read(pending, *a):
+        with HostSyncCounter() as c:
+            out = real_read(pending, *a)
+        reads.append(([s for s, *_ in pending], c.syncs))
+        return out
+
+    monkeypatch.setattr(T, "optimizer_step", counted_step)
+    monkeypatch.setattr(T, "_read_losses", counted_read)
+    cfg = RecoverConfig(rank=4, tokens=32 * 2 * 2 * 7, seq_len=32, batch_size=2, grad_accum=2, objective="kd",
+                        init="zero", loss_chunk=16, log_every=3, lr=1e-3, decontaminate=False, checkpoint_every=0,
+                        mix=str(text_mix))
+    meta = recover(tiny_ckpt, tmp_path / "a", cfg, show_progress=False)
+    assert len(per_step) == 7
+    assert all(c.dispatches > 100 for c in per_step)  # the counter saw the step's work
+    # step 1 checks the output head once per model (a comparison of logits); every later step reads nothing
+    assert [c.syncs for c in per_step[1:]] == [0] * 6, [dict(c.sites) for c in per_step[1:]]
+    # the reads: the warm-up steps 1 and 2 apart, then every 3rd step and the last, each batch of losses at once
+    assert [s for s, _ in reads] == [[1], [2], [3], [4, 5, 6], [7]]
+    assert all(n >= 1 for _, n in reads)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 8)) and all(math.isfinite(r["loss"]) for r in rows)
+    assert meta["training"]["attention"] == "qrecover_causal_sdpa"  # SDPA, is_causal, no mask built
+    assert meta["training"]["warmup"]["steps"] == 2 and meta["training"]["warmup"]["seconds"] > 0
+
+
+def test_batches_are_pinned_and_copied_without_blocking_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: calls.append(("pin",)) or self)
+    real_to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    ids = torch.arange(12).reshape(2, 6)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    m = T.prepare_micro(ids, labels, torch.device("cuda", 0))
+    assert calls == [("pin",), ("to", "cuda:0", True)] * 3  # ids, labels, label positions
+    assert m.count == 2 * 5 - 2 and m.keep.tolist() == [2, 3, 4, 5, 6, 7, 8, 9]
+    calls.clear()
+    T.prepare_micro(ids, labels, torch.device("cpu"))
+    assert calls == []  # on the CPU: no pinning, plain tensors
+
+
+@pytest.mark.parametrize("value", [0, -1, True])
+def test_bad_log_every_is_refused(value):
+    with pytest.raises(Exception, match="--log-every"):
+        RecoverConfig(log_every=value)
