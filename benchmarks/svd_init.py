@@ -14,6 +14,7 @@ so. Whole-model projections multiply by the number of such layers (q, k, v, o, g
 the teacher's forward pass over the calibration windows is not included.
 
     OMP_NUM_THREADS=1 python benchmarks/svd_init.py [--out reports/svd_init.json]
+    OMP_NUM_THREADS=1 python benchmarks/svd_init.py --grouped SmolLM2-135M   # one decoder layer, grouped by input
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qrecover.recovery.lora import lowrank_correction, randomized_correction  # noqa: E402
+from qrecover.recovery.lora import lowrank_correction, randomized_correction, randomized_corrections  # noqa: E402
 
 # (out, in) of every adapted linear of one decoder layer: q, k, v, o, gate, up, down
 MODELS = {
@@ -39,6 +40,40 @@ MODELS = {
                                              (14336, 4096), (4096, 14336)]},
 }
 RANK, SCALING, TOKENS = 16, 2.0, 4096
+# one decoder layer's linears grouped by the input they read (q, k, v | o | gate, up | down): what init_error_svd
+# batches; SmolLM2-135M is the default model (30 layers), Llama-3.2-1B the GPU benchmark's geometry (16 layers)
+GROUPED = {
+    "SmolLM2-135M": {"layers": 30, "groups": [[(576, 576), (192, 576), (192, 576)], [(576, 576)],
+                                              [(1536, 576), (1536, 576)], [(576, 1536)]]},
+    "Llama-3.2-1B": {"layers": 16, "groups": [[(2048, 2048), (512, 2048), (512, 2048)], [(2048, 2048)],
+                                              [(8192, 2048), (8192, 2048)], [(2048, 8192)]]},
+}
+
+
+def grouped(name: str, tokens: int) -> dict:
+    """One decoder layer of ``name``: the float64 exact path (Gram + eigendecomposition + full SVD per layer, what
+    ``auto`` runs on a CPU for layers up to 2048 wide), the float32 randomized one layer at a time, and batched per
+    input group (``randomized_corrections``); seconds per decoder layer and for the whole model."""
+    spec, out = GROUPED[name], {"exact_f64": 0.0, "randomized_f32": 0.0, "batched_f32": 0.0, "rank_r_rel_error": []}
+    for gi, group in enumerate(spec["groups"]):
+        layers = [make_layer(*shape, tokens, seed=gi * 10 + li) for li, shape in enumerate(group)]
+        x = layers[0][1]
+        errors = [e for e, _ in layers]
+        t0 = time.perf_counter()
+        xd = x.double()
+        gram = xd.T @ xd / xd.shape[0]
+        exact = [lowrank_correction(e.double(), gram, RANK, SCALING) for e in errors]
+        out["exact_f64"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        single = [randomized_correction(e, RANK, SCALING, inputs=x) for e in errors]
+        out["randomized_f32"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        randomized_corrections(errors, [RANK] * len(errors), [SCALING] * len(errors), inputs=x)
+        out["batched_f32"] += time.perf_counter() - t0
+        for (b0, a0), (b, a) in zip(exact, single):
+            out["rank_r_rel_error"].append(float((b @ a - b0 @ a0).norm() / (b0 @ a0).norm()))
+    out["whole_model"] = {k: out[k] * spec["layers"] for k in ("exact_f64", "randomized_f32", "batched_f32")}
+    return out
 
 
 def make_layer(out_f: int, in_f: int, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +136,13 @@ def main() -> None:
     ap.add_argument("--old-max-width", type=int, default=3072, help="run the former path only up to this width")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--grouped", choices=sorted(GROUPED), default=None,
+                    help="time one decoder layer of this model: float64 exact vs float32 randomized vs batched by input")
     args = ap.parse_args()
+    if args.grouped:
+        r = grouped(args.grouped, args.tokens)
+        print(json.dumps({"model": args.grouped, "threads": torch.get_num_threads(), "tokens": args.tokens, **r}, indent=1))
+        return
     shapes = sorted({s for m in MODELS.values() for s in m["linears"]}, key=lambda s: (s[0] * s[1], s))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), rank {RANK}, {args.tokens} input tokens")
     rows, ref = {}, None

@@ -296,6 +296,7 @@ def test_bf16_autocast_training_tracks_fp32(tiny_ckpt, text_mix, tmp_path):
     (["--tokens", "-5"], "--tokens -5 must be a positive"),
     (["--objective", "mse"], "--objective 'mse' must be one of"),
     (["--targets", "top:0"], "--targets 'top:0'"),
+    (["--log-every", "0"], "--log-every 0 must be a positive number of steps"),
     (["--mix", "/nonexistent/mix.toml"], "--mix '/nonexistent/mix.toml' does not exist"),
 ])
 def test_bad_recover_arguments_exit_2(tiny_ckpt, tmp_path, capsys, argv, message):

@@ -114,3 +114,15 @@ def test_batches_are_pinned_and_copied_without_blocking_on_cuda(monkeypatch):
 def test_bad_log_every_is_refused(value):
     with pytest.raises(Exception, match="--log-every"):
         RecoverConfig(log_every=value)
+
+
+def test_teacher_device_is_per_process_on_several(monkeypatch):
+    from qrecover.recovery.objective import teacher_target
+
+    cpu = torch.device("cpu")
+    assert teacher_target(None, cpu) == cpu and teacher_target("cuda:1", cpu) == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert teacher_target("cuda:4", cpu) == torch.device("cuda", 6)  # process 2 of 4: its own teacher GPU
+    assert teacher_target("cuda", cpu) == torch.device("cuda")  # no index: the process's current device
+    assert teacher_target("cpu", cpu) == cpu and teacher_target(None, torch.device("cuda", 2)) == torch.device("cuda", 2)

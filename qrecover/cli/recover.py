@@ -70,6 +70,10 @@ def recover(
                                                                          "at a time); 0 = unchunked."),
     teacher_device: Optional[str] = typer.Option(D("teacher_device"), "--teacher-device", help="Device of the distillation teacher, e.g. "
                                                                                                "cuda:1 (default: the training device)."),
+    log_every: int = typer.Option(D("log_every"), "--log-every", help="Optimizer steps between reads of the loss from the device "
+                                  "(the steps between never wait for it)."),
+    compile_layers: bool = typer.Option(False, "--compile-layers", help="torch.compile each decoder layer (for GPUs; the first "
+                                        "steps compile)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the adapter initialisation and data order."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Adapter directory (default: CHECKPOINT-lora-rR; with --ranks the parent of "
                                                                  "rank-R)."),
@@ -102,7 +106,8 @@ def recover(
                              precision=precision,
                              decontaminate=not no_decontaminate, seed=seed, loss_chunk=loss_chunk,
                              teacher_device=teacher_device, head_rank=head_rank, schedule=schedule,
-                             decay_fraction=decay_fraction, adapter_bits=adapter_bits) for r in rank_list]
+                             decay_fraction=decay_fraction, adapter_bits=adapter_bits, log_every=log_every,
+                             compile_layers=compile_layers) for r in rank_list]
     read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
     results = []

@@ -40,6 +40,7 @@ from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, load_adapter, quantized_targets, save_adapter
 from .mix import Mix, MixLoader, calibration_windows, load_mix, single_source_mix
+from .objective import place_teacher
 from .rank_alloc import damage_ranks
 from .shards import ShardLoader, check_tokenizer, is_prepared
 from .shards import read_manifest as read_data_manifest
@@ -208,6 +209,8 @@ def _init_from_error(peft_model, teacher: torch.nn.Module, calibration: tuple[di
     record, windows = calibration
     t0 = time.time()
     with _status("initialising adapters from the quantization error", show_progress):
+        # the teacher's forward over the windows on the training device too (kept in its dtype; training casts it)
+        place_teacher(teacher, init_device(), "no")
         captured = init_error_svd(peft_model, teacher, windows)
     return {"method": "svd", "calibration": record, "output_error_removed": captured.pop("_total"),
             "seconds": round(time.time() - t0, 1), "per_layer": captured}

@@ -67,7 +67,8 @@ class RecoverConfig(DictConfig):
     loss_chunk: int = doc_field(1024, "predicted positions per chunk of the loss: the student's and teacher's vocabulary-sized logits "
                                 "exist one chunk at a time (recomputed in backward); 0 = the whole micro-batch at once "
                                 "(batch x seq x vocab floats per tensor: 8 GB at 8 x 2048 tokens and a 128k vocabulary)")
-    teacher_device: str | None = doc_field(None, "device of the distillation teacher, e.g. 'cuda:1'; None = the training device. "
+    teacher_device: str | None = doc_field(None, "device of the distillation teacher, e.g. 'cuda:1' (with several processes per machine, per "
+                                           "process: cuda:N + local rank); None = the training device. "
                                            "On CUDA with bf16 precision the (frozen) teacher is cast to bf16 once")
     head_rank: int = doc_field(0, "rank of a LoRA on the output head (the tied LM head reads the packed embedding, so no "
                                "projection adapter reaches it): a low-rank correction added to the logits only "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -270,8 +271,11 @@ def best_corrections(errors: list[torch.Tensor], ranks: list[int], scalings: lis
 
 
 def init_device() -> torch.device:
-    """Where the initialisation's linear algebra runs: the GPU when there is one."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """Where the initialisation runs (the teacher's forward over the calibration windows and the linear algebra):
+    this process's GPU when there is one (``LOCAL_RANK`` under torchrun: not every process on GPU 0), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def each_layer_input(teacher: nn.Module, windows: torch.Tensor, names: list[str], fn, fix: str) -> None:

@@ -25,6 +25,7 @@ Losses are computed in float32, or float64 when the logits are float64 (tests co
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -266,16 +267,29 @@ def hidden_states(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 # --- the teacher: placed and cast once ------------------------------------------------------------------
 
+def teacher_target(teacher_device: str | None, device: torch.device) -> torch.device:
+    """Where the teacher runs: ``teacher_device``, or ``device`` (the student's) when None. With several processes on
+    a machine (torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``) an indexed ``cuda:N`` is per process: local process
+    ``r`` uses ``cuda:(N + r)``, so ``--teacher-device cuda:4`` with 4 processes on 8 GPUs gives each process's
+    teacher its own GPU (4..7) beside its student (0..3) instead of all four teachers on GPU 4."""
+    target = torch.device(teacher_device) if teacher_device else torch.device(device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if teacher_device and target.type == "cuda" and target.index is not None and local_world > 1:
+        target = torch.device("cuda", target.index + int(os.environ.get("LOCAL_RANK", "0")))
+    return target
+
+
 def place_teacher(teacher: nn.Module, device: torch.device, precision: str, teacher_device: str | None = None
                   ) -> torch.device:
     """Put the frozen ``teacher`` where it runs, once (later calls find it there and do nothing); returns its device.
 
-    ``teacher_device`` (e.g. ``"cuda:1"``; None = ``device``, the student's). On CUDA with ``precision == "bf16"``
+    ``teacher_device`` (e.g. ``"cuda:1"``, per process on several: :func:`teacher_target`; None = ``device``, the
+    student's). On CUDA with ``precision == "bf16"``
     its parameters are cast to bf16 (buffers such as rotary frequencies keep their dtype), parameter by parameter
     while moving, so the fp32 copy never sits on the GPU whole; elsewhere it keeps its dtype (today's CPU
     behaviour: fp32 weights, autocast). The cast is in place: the same teacher object is bf16 afterwards.
     """
-    target = torch.device(teacher_device) if teacher_device else torch.device(device)
+    target = teacher_target(teacher_device, device)
     if target.type == "cuda":
         if not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count():
             found = torch.cuda.device_count() if torch.cuda.is_available() else 0
