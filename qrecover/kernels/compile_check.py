@@ -8,6 +8,7 @@ on any machine, and reads the resource usage with the bundled ``cuobjdump``:
     python -m qrecover.kernels.compile_check            # a representative set, sm_90
     python -m qrecover.kernels.compile_check --all      # every format x bits x path x dtype
     python -m qrecover.kernels.compile_check --smoke    # two variants and the small kernels (the test suite)
+    python -m qrecover.kernels.compile_check --isa      # + instructions per decoded weight in the main loop (isa.py)
 
 Run it without ``TRITON_INTERPRET`` set (the kernels must be compiled functions, not interpreted ones).
 """
@@ -25,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import multi_adapter_kernels, qmatmul
+from . import isa, multi_adapter_kernels, qmatmul
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -37,12 +38,38 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], targe
     return triton.compile(src, target=target, options=options)
 
 
+def _tool(name: str) -> Path:
+    """A CUDA binary tool: triton's bundled copy, else the CUDA toolkit's."""
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return bundled if bundled.exists() else Path("/usr/local/cuda/bin") / name
+
+
+def sass(kernel) -> str | None:
+    """The kernel's SASS from ``nvdisasm`` (None when no disassembler is found: use ``kernel.asm['ptx']``)."""
+    tool = _tool("nvdisasm")
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def isa_row(kernel, num_warps: int, weights_per_iter: int) -> dict:
+    """Thread instructions per decoded weight by kind (main loop, SASS or else PTX), and the loop's length."""
+    text = sass(kernel)
+    ptx = text is None
+    body = isa.loop_body(kernel.asm["ptx"] if ptx else text, ptx=ptx)
+    row = isa.per_weight(isa.categorise(body, ptx), num_warps, weights_per_iter)
+    return dict(row, loop=len(body), source="ptx" if ptx else "sass")
+
+
 def resources(kernel) -> dict[str, int]:
     """``{"REG": registers per thread, "STACK": spill stack bytes, "SHARED": static shared bytes, ...}``."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        tool = _tool("cuobjdump")
         out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                              check=True).stdout
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
@@ -73,15 +100,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (80 = A100, 90 = H100/H200)")
     ap.add_argument("--all", action="store_true", help="every format, bit width and activation dtype")
     ap.add_argument("--smoke", action="store_true", help="two dequant-matmul variants and the small kernels (tests)")
+    ap.add_argument("--isa", action="store_true", help="also thread instructions per decoded weight in the main loop, "
+                    "by kind, and occupancy (sm_90 limits)")
     args = ap.parse_args(argv)
     if qmatmul.interpreting():
         print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it to compile", file=sys.stderr)
         return 2
     target = GPUTarget("cuda", args.arch, 32)
-    print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    if args.isa:
+        kinds = [k for k in isa.KINDS if k != "barrier"]
+        print(f"| kernel | regs | spill B | occupancy | loop instrs | per weight: {' | '.join(kinds)} | total |")
+        print("|---" * (6 + len(kinds)) + "|")
+    else:
+        print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
     for label, sig, const, opts in qmm_variants("all" if args.all else "smoke" if args.smoke else "default"):
-        r = resources(_compile(qmatmul._qmm_kernel, sig, const, target, **opts))
-        print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
+        kernel = _compile(qmatmul._qmm_kernel, sig, const, target, **opts)
+        r = resources(kernel)
+        if args.isa:
+            row = isa_row(kernel, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
+            occ = isa.occupancy_sm90(r.get("REG", 0), kernel.metadata.shared, opts["num_warps"])
+            print(f"| {label} | {r.get('REG')} | {r.get('STACK')} | {occ:.0%} | {row['loop']} | "
+                  + " | ".join(f"{row[k]:.2f}" for k in kinds) + f" | **{row['total']:.2f}** |")
+        else:
+            print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
+    if args.isa:
+        return 0
     others = [
         ("split-K reduce", qmatmul._splitk_reduce,
          {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "total": "i32", "N": "i32", "stride_os": "i32"},
