@@ -25,7 +25,7 @@ def interpreted_kernels():
     old = os.environ.get("TRITON_INTERPRET")
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("qrecover.kernels.qmatmul", "qrecover.kernels.multi_adapter_kernels"):
+    for name in ("qrecover.kernels.gemv", "qrecover.kernels.qmatmul", "qrecover.kernels.multi_adapter_kernels"):
         if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
             importlib.reload(sys.modules[name])
     qmatmul = importlib.import_module("qrecover.kernels.qmatmul")

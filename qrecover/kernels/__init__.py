@@ -176,6 +176,21 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
     return fused_linear(layer, x)
 
 
+def kernel_tensors(layer, fmt: Format) -> dict[str, torch.Tensor]:
+    """The layer's packed buffers, plus ``lut_kernel`` for palettize: the decode kernel's tables, repacked once
+    (:func:`~qrecover.kernels.gemv.kernel_tables`) and kept on the layer until its tables change (moved or written)."""
+    tensors = {n: getattr(layer, n) for n in layer._tensor_names}
+    if fmt.scheme == PALETTIZE:
+        lut = tensors["lut"]
+        key = (lut.data_ptr(), str(lut.device), lut._version)
+        cached = getattr(layer, "_kernel_repack", None)
+        if cached is None or cached[0] != key:
+            from .gemv import kernel_tables  # triton: an optional dependency, imported at first use
+            cached = layer._kernel_repack = (key, kernel_tables(fmt, lut))
+        tensors["lut_kernel"] = cached[1]
+    return tensors
+
+
 def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
     """The fused kernel on ``x (..., I)`` whatever the device (tests run it on CPU under ``TRITON_INTERPRET=1``).
 
@@ -185,7 +200,7 @@ def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
     if isinstance(fmt, str):
         raise QRecoverError(f"layer {tuple(layer.shape)} {layer.scheme} {layer.bits}-bit: {fmt}; use the reference path")
     from .qmatmul import quant_matmul  # triton: an optional dependency, imported at first use
-    tensors = {n: getattr(layer, n) for n in layer._tensor_names}
+    tensors = kernel_tensors(layer, fmt)
     batch = x.numel() // x.shape[-1]
     y = quant_matmul(x.reshape(batch, x.shape[-1]), fmt, tensors, layer.bias, config)
     return y.reshape(*x.shape[:-1], y.shape[-1])

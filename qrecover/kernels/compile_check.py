@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import isa, multi_adapter_kernels, qmatmul
+from . import gemv, isa, multi_adapter_kernels, qmatmul
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -95,6 +95,29 @@ def qmm_variants(level: str):
         yield label, sig, const, dict(num_warps=warps, num_stages=stages)
 
 
+def gemv_variants(level: str):
+    """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode."""
+    dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
+    formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32), (0, 4, False, gemv.LUT_PAIRS),
+               (0, 4, False, gemv.LUT_FP16), (0, 8, False, gemv.LUT_FP32), (1, 2, False, 0), (1, 3, True, 0),
+               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
+    if level != "all":
+        formats = [f for f in formats if f[:2] in ((0, 3), (0, 4), (1, 4)) or f[2]]
+    tiles = [(1, 64, 128, 4), (1, 128, 256, 4)] if level != "smoke" else [(1, 64, 128, 4)]
+    for dt in dtypes:
+        for scheme, bits, zp, lut in formats[:1] if level == "smoke" else formats:
+            for bm, bn, bk, warps in tiles:
+                sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": "*fp32" if lut else "*fp16", "scale_ptr": "*fp16",
+                       "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
+                       **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
+                                              "stride_xm", "stride_om", "stride_os")}}
+                const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
+                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
+                lut_name = ("", " fp32-lut", " pair-lut")[lut] if scheme == 0 else ""
+                yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (80 = A100, 90 = H100/H200)")
@@ -114,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print("|---" * (6 + len(kinds)) + "|")
     else:
         print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
-    for label, sig, const, opts in qmm_variants("all" if args.all else "smoke" if args.smoke else "default"):
-        kernel = _compile(qmatmul._qmm_kernel, sig, const, target, **opts)
+    level = "all" if args.all else "smoke" if args.smoke else "default"
+    variants = [(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level)]
+    for fn, label, sig, const, opts in variants:
+        kernel = _compile(fn, sig, const, target, **opts)
         r = resources(kernel)
         if args.isa:
             row = isa_row(kernel, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])

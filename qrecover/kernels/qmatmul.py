@@ -48,6 +48,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import gemv
 from .formats import Config, Format
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -198,10 +199,15 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
         tiles = ((16, 32), (16, 64)) if m <= 16 else ((32, 64), (16, 64), (32, 32))
         return [Config(bm, bn, 32, s, True) for bm, bn in tiles for s in ((4, 1, 2) if m <= 16 else (1, 2))]
     if m <= 16:  # GEMV path
-        if m <= 4:
+        if m <= 4:  # the decode kernel (gemv.py); split-K first sized to fill 132 SMs twice over (H100)
             bm = _pow2_at_least(m)
-            shapes = [(bm, bn, bk, False) for bn, bk in ((32, 128), (64, 64), (16, 256), (64, 128), (128, 64))
-                      if bk in ks and bm * bn * bk <= 16384]
+            shapes = [(bm, bn, bk, False) for bn, bk in ((64, 128), (128, 128), (32, 128), (128, 256), (64, 64))
+                      if bk in ks and bm * bn * bk <= 32768]
+            out = []
+            for bm_, bn, bk, dot in shapes:
+                fill = min(-(-2 * SMS // -(-fmt.out_f // bn)), fmt.in_f // bk)
+                out += [Config(bm_, bn, bk, s, dot) for s in dict.fromkeys((_pow2_at_least(max(fill, 1)), 1, 2, 4, 8))]
+            return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1] or [Config(bm, 32, ks[-1], 1, False)]
         else:
             shapes = [(16, bn, bk, True) for bn, bk in ((32, 128), (64, 64), (64, 128), (32, 64)) if bk in ks]
         shapes = shapes or [(_pow2_at_least(min(m, 4)) if m <= 4 else 16, 32, ks[-1], m > 4)]
@@ -219,6 +225,8 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
 
 
 _TUNED: dict[tuple, Config] = {}
+#: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
+SMS = 132
 
 
 def _bucket(m: int) -> int:
@@ -247,14 +255,20 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
     direct = split == 1
     target = out if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-    _qmm_kernel[grid](
-        x, qw, lut, scale, zp, bias if bias is not None else dummy, target,
-        m, n, k, k // fmt.cblock, zp_nbytes, k_split, x.stride(0), n, m * n,
-        SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
-        HAS_BIAS=bias is not None, DIRECT=direct, USE_DOT=cfg.use_dot, IEEE=_ieee_dot(x.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if not cfg.use_dot:  # batch <= 4: the decode kernel (gemv.py)
+        if fmt.scheme == 0:
+            lut = tensors.get("lut_kernel")
+            lut = gemv.kernel_tables(fmt, tensors["lut"]) if lut is None else lut
+        gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
+    else:
+        _qmm_kernel[grid](
+            x, qw, lut, scale, zp, bias if bias is not None else dummy, target,
+            m, n, k, k // fmt.cblock, zp_nbytes, k_split, x.stride(0), n, m * n,
+            SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
+            HAS_BIAS=bias is not None, DIRECT=direct, USE_DOT=cfg.use_dot, IEEE=_ieee_dot(x.dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if not direct:
         block = 1024
         _splitk_reduce[(triton.cdiv(m * n, block),)](

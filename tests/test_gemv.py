@@ -1,0 +1,74 @@
+"""The decode kernel (qrecover.kernels.gemv, batch 1-4) against float64, in every table mode, and its one-time repack.
+
+Runs under triton's interpreter without a GPU (the ``interp`` fixture). The table mode a layer gets depends on
+its shape (:func:`gemv.lut_mode`: pair tables only where they are small next to the codes), so each mode is
+forced here on small layers too; the repacked tables are checked entry by entry.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import DEV, make_layer, ref64, rel_err
+
+from qrecover import kernels
+from qrecover.kernels import gemv, layer_format
+from qrecover.kernels.formats import Config
+from qrecover.packing import unpack
+
+
+@pytest.mark.parametrize("mode", [gemv.LUT_FP16, gemv.LUT_FP32, gemv.LUT_PAIRS])
+@pytest.mark.parametrize("bits,block", [(2, None), (3, 32), (4, None), (4, 64), (8, 64)])
+def test_decode_kernel_in_every_table_mode(interp, monkeypatch, mode, bits, block):
+    if mode == gemv.LUT_PAIRS and bits not in (2, 4):
+        pytest.skip("pair tables are for 2- and 4-bit codes")
+    monkeypatch.setattr(gemv, "lut_mode", lambda fmt: mode if fmt.scheme == 0 else gemv.LUT_FP16)
+    layer = make_layer("palettize", bits, 48, 128, block_size=block)
+    for batch, dtype, tol in ((1, torch.float32, 1e-5), (3, torch.float32, 1e-5), (2, torch.float16, 2e-3)):
+        x = torch.randn(batch, 128, device=DEV).to(dtype)
+        y = kernels.fused_linear(layer, x, config=Config(4 if batch > 2 else batch, 32, 32, 2, False))
+        assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pair_tables_hold_both_entries(monkeypatch, bits):
+    monkeypatch.setattr(gemv, "lut_mode", lambda fmt: gemv.LUT_PAIRS)
+    layer = make_layer("palettize", bits, 32, 64).cpu()
+    n = 1 << bits
+    pairs = gemv.kernel_tables(layer_format(layer), layer.lut)
+    assert pairs.shape == (2, n * n, 2) and pairs.dtype == torch.float32
+    for a in range(n):
+        for b in range(n):
+            assert torch.equal(pairs[:, a | b << bits], torch.stack([layer.lut[:, a], layer.lut[:, b]], -1).float())
+
+
+def test_lut_mode_depends_on_table_bytes_next_to_codes():
+    wide = layer_format(make_layer("palettize", 4, 64, 4096).cpu())  # 4 whole-row tables: 8 KB of pairs vs 128 KB of codes
+    assert gemv.lut_mode(wide) == gemv.LUT_PAIRS
+    small = layer_format(make_layer("palettize", 4, 32, 64, block_size=32).cpu())
+    assert gemv.lut_mode(small) == gemv.LUT_FP16
+    assert gemv.lut_mode(layer_format(make_layer("palettize", 3, 64, 4096).cpu())) == gemv.LUT_FP32
+    assert gemv.kernel_tables(wide, torch.zeros(4, 16, dtype=torch.float16)).shape == (4, 256, 2)
+
+
+def test_3bit_straddling_codes_in_the_decode_kernel(interp):
+    """Identity tables and one-hot inputs, four at a time (the decode kernel): every 3-bit code reads back exactly."""
+    layer = make_layer("palettize", 3, 16, 64, bias=False)
+    layer.lut.copy_(torch.arange(8, dtype=torch.float16).expand_as(layer.lut))
+    codes = unpack(layer.qdata.cpu(), 3, 16 * 64).view(16, 64).float()
+    for c0 in range(0, 64, 4):
+        x = torch.eye(64, device=DEV)[c0:c0 + 4]
+        assert torch.equal(kernels.fused_linear(layer, x).cpu(), codes[:, c0:c0 + 4].T), c0
+
+
+def test_repacked_tables_follow_the_layer(interp):
+    """The repack is kept on the layer and redone when its tables are written."""
+    layer = make_layer("palettize", 4, 32, 4096)
+    x = torch.randn(1, 4096, device=DEV)
+    kernels.fused_linear(layer, x)
+    first = layer._kernel_repack[1]
+    kernels.fused_linear(layer, x)
+    assert layer._kernel_repack[1] is first
+    layer.lut.mul_(2)
+    assert rel_err(kernels.fused_linear(layer, x), ref64(layer, x)) < 1e-5
+    assert layer._kernel_repack[1] is not first
