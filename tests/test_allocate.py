@@ -546,3 +546,39 @@ def test_250_layer_table_completes():
     assert plan.damage <= base.damage
     # damage is monotone in bits here, so the optimum beats all-smallest
     assert plan.damage < allocate(table, lo).damage
+
+
+def _with_dominated(table: dict[str, list[Choice]], rng: random.Random) -> tuple[dict[str, list[Choice]], dict[str, list[int]]]:
+    """``table`` with dominated choices inserted at random positions (each costs at least the bytes of a choice of its
+    layer and does strictly more damage, or the same damage for strictly more bytes); returns the new table and, per
+    layer, the new index of every original choice."""
+    out, where = {}, {}
+    for name, choices in table.items():
+        new = list(choices)
+        for _ in range(rng.randint(1, 3)):
+            o = rng.choice(choices)
+            if rng.random() < 0.5:
+                extra = Choice(f"dom-{o.label}", o.nbytes + rng.randint(0, 40), o.damage + rng.uniform(1e-3, 1.0))
+            else:
+                extra = Choice(f"dom-{o.label}", o.nbytes + rng.randint(1, 40), o.damage)
+            new.insert(rng.randint(0, len(new)), extra)
+        out[name] = new
+        where[name] = [next(i for i, c in enumerate(new) if c is x) for x in choices]
+    return out, where
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dominated_choices_never_change_the_plan(seed):
+    """A choice with no fewer bytes and more damage than another of its layer (or equal damage and more bytes) can
+    never be in the optimum: swapping it for the other keeps the plan within the budget and lowers its damage (or its
+    bytes, the tie-break). So a menu that offers such candidates allocates exactly as one without them: hand-made
+    tables, with and without dominated choices inserted anywhere, give the same choices, bytes and damage."""
+    rng = random.Random(seed)
+    table = {f"l{i}": [Choice(f"c{j}", rng.randint(10, 200), rng.uniform(0.0, 5.0)) for j in range(rng.randint(1, 4))]
+             for i in range(rng.randint(2, 7))}
+    lo, hi = sum(min(c.nbytes for c in v) for v in table.values()), sum(max(c.nbytes for c in v) for v in table.values())
+    padded, where = _with_dominated(table, rng)
+    for budget in sorted({lo, (lo + hi) // 2, lo + (hi - lo) // 3, hi, hi + 50}):
+        plain, more = allocate(table, budget), allocate(padded, budget)
+        assert {n: where[n][k] for n, k in plain.choices.items()} == more.choices, (seed, budget)
+        assert (plain.nbytes, plain.damage) == (more.nbytes, more.damage)
