@@ -240,3 +240,13 @@ def test_nothing_left_when_interrupted_before_the_first_checkpoint(tiny_ckpt, te
         _tuned(tiny_ckpt, tmp_path / "r", text_mix, checkpoint_every=2, callback=stop)
     assert not (tmp_path / "r").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_config_refuses_what_tuning_cannot_do():
+    with pytest.raises(QRecoverError, match="does not shard the base"):
+        TuneConfig(shard_base=True)
+    with pytest.raises(QRecoverError, match="--params 'codes'"):
+        TuneConfig(params="codes")
+    assert TuneConfig(lr=0.0).lr == 0.0  # the identity run; recovery itself refuses lr 0
+    with pytest.raises(QRecoverError, match="--lr 0.0 must be positive"):
+        RecoverConfig(lr=0.0)

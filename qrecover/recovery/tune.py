@@ -76,6 +76,9 @@ class TuneConfig(RecoverConfig):
         if unknown or not self.kinds:
             raise QRecoverError(f"--params {self.params!r}: choose a comma-separated subset of {', '.join(PARAM_KINDS)}, "
                                 "e.g. --params tables,scales")
+        if self.shard_base:
+            raise QRecoverError("tune does not shard the base (--shard-base): its tables and scales train, and FSDP would "
+                                "shard them; tune data parallel (one whole copy per process) instead")
         if self.rounding_windows < 0:
             raise QRecoverError(f"--rounding-windows {self.rounding_windows} must be >= 0")
 
