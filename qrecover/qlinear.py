@@ -10,9 +10,9 @@ They are buffers (frozen, never trained); :func:`packed_as_parameters` turns the
 for FSDP, which shards parameters only (``RecoverConfig.shard_base``).
 
 Tuning (``qrecover tune``, :mod:`qrecover.recovery.tune`): :meth:`_Packed.set_masters` gives chosen continuous tensors
-(``lut``, ``scale``) an fp32 master Parameter ``<name>_master``; the dense weight is then a differentiable function
-of the masters through the frozen codes (the scheme's own ``dequantize``), recomputed every forward, and
-:meth:`_Packed.commit_masters` rounds them back into the stored dtype.
+(``lut``, ``scale``) an fp32 master Parameter ``<name>_master``, in units of its row's magnitude; the dense weight is
+then a differentiable function of the masters through the frozen codes (the scheme's own ``dequantize``), recomputed
+every forward, and :meth:`_Packed.commit_masters` rounds them back into the stored dtype.
 """
 
 from __future__ import annotations
@@ -78,23 +78,38 @@ class _Packed(nn.Module):
         return self.packed.nbytes
 
     def set_masters(self, names: tuple[str, ...]) -> None:
-        """Train the stored tensors ``names`` (e.g. ``("lut",)``): each gets an fp32 master Parameter
-        ``<name>_master`` of its shape (exact: fp16 -> fp32), the dense cache is dropped, and :meth:`dequantize`
-        computes the weight from the masters with gradients (codes and the other tensors stay frozen)."""
+        """Train the stored tensors ``names`` (e.g. ``("lut",)``): each ``t`` gets an fp32 master Parameter
+        ``<name>_master = t / unit`` of its shape, ``unit (rows, 1)`` (buffer ``<name>_unit``) the power of two nearest
+        each row's RMS, so ``master * unit`` is ``t`` exactly. In those units an optimizer step of a given size is the
+        same relative change for a 2-bit table entry of 0.05 and an 8-bit embedding scale of 0.001 (Adam moves every
+        value by about lr, whatever its magnitude). The dense cache is dropped, and :meth:`dequantize` computes the
+        weight from ``master * unit`` with gradients (codes and the other tensors stay frozen)."""
         for n in names:
-            if n not in self._tensor_names or not getattr(self, n).is_floating_point():
+            t = getattr(self, n)
+            if n not in self._tensor_names or not t.is_floating_point():
                 raise QRecoverError(f"{n!r} is not a continuous tensor of this {self.scheme} layer ({self._tensor_names})")
-            self.register_parameter(f"{n}_master", nn.Parameter(getattr(self, n).detach().float().clone()))
+            rows = t.detach().float().reshape(t.shape[0] if t.dim() > 0 else 1, -1)
+            rms = rows.pow(2).mean(-1, keepdim=True).sqrt()
+            unit = torch.where(rms > 0, torch.exp2(torch.round(torch.log2(rms.clamp_min(1e-30)))), torch.ones_like(rms))
+            self.register_buffer(f"{n}_unit", unit, persistent=False)
+            self.register_parameter(f"{n}_master", nn.Parameter((rows / unit).reshape(t.shape)))
         self._masters, self._dense, self._dispatch_dense = tuple(names), None, None
+
+    def _master_value(self, n: str) -> torch.Tensor:
+        """The trained value of stored tensor ``n``: ``master * unit`` (fp32, its stored shape)."""
+        master = getattr(self, f"{n}_master")
+        unit = getattr(self, f"{n}_unit")
+        return (master.reshape(unit.shape[0], -1) * unit).reshape(master.shape)
 
     def commit_masters(self) -> dict[str, torch.Tensor]:
         """Round every master to its stored tensor's dtype, store it, drop the masters; returns the new stored
         tensors by name. Afterwards the layer is a plain packed layer again."""
         stored = {}
         for n in self._masters:
-            master = self._parameters.pop(f"{n}_master")
+            value = self._master_value(n).detach()
+            del self._parameters[f"{n}_master"], self._buffers[f"{n}_unit"]
             old = getattr(self, n)
-            stored[n] = master.detach().to(device=old.device, dtype=old.dtype).contiguous()
+            stored[n] = value.to(device=old.device, dtype=old.dtype).contiguous()
             if n in self._parameters:  # held as a frozen parameter (packed_as_parameters)
                 self._parameters[n] = nn.Parameter(stored[n], requires_grad=False)
             else:
@@ -107,7 +122,7 @@ class _Packed(nn.Module):
         gradients, while :meth:`set_masters` is in effect."""
         dtype = dtype or self.compute_dtype
         if self._masters:
-            tensors = {n: getattr(self, f"{n}_master" if n in self._masters else n) for n in self._tensor_names}
+            tensors = {n: self._master_value(n) if n in self._masters else getattr(self, n) for n in self._tensor_names}
             return self._quantizer.dequantize(QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors), dtype)
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
