@@ -31,6 +31,7 @@ Prints a Markdown table; writes benchmarks/out/kernels-<device>.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.kernel_timing import cold_ms, gemlite_call, int4_call, l2_bytes, n_copies, repack_costs  # noqa: E402
 from qrecover import kernels  # noqa: E402  (does not import triton)
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 from qrecover.kernels import reference  # noqa: E402
@@ -56,7 +58,9 @@ from qrecover.schemes import QuantizedWeight  # noqa: E402
 
 GPU_SHAPES = [(2048, 8192), (3072, 8192), (4096, 4096), (4096, 14336), (14336, 4096)]
 TOY_SHAPES = [(48, 128), (96, 256)]
+QUICK_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # the issue's table
 BATCHES = [1, 4, 16, 64]
+QUICK_BATCHES = [1, 16]
 FORMATS = {  # name -> (scheme, bits, params)
     "palettize-3": ("palettize", 3, {"group_size": 16, "block_size": None}),
     "palettize-4": ("palettize", 4, {"group_size": 16, "block_size": None}),
@@ -125,31 +129,62 @@ def environment(device: str) -> dict:
     return env
 
 
-def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None) -> list[dict]:
+def _cold_row(layer, x: torch.Tensor, w16: torch.Tensor, l2: int) -> dict:
+    """L2-cold ms per call of fp16, the fused kernel, torch's int4 and gemlite (rotated copies, one CUDA graph)."""
+    row = {}
+    fp16 = [w16] + [w16.clone() for _ in range(n_copies(w16.numel() * 2, l2) - 1)]
+    row["ms_fp16_cold"] = cold_ms([lambda w=w: torch.matmul(x, w.T) for w in fp16])
+    del fp16
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(n_copies(layer.nbytes, l2) - 1)]
+    row["ms_fused_cold"] = cold_ms([lambda m=m: kernels.fused_linear(m, x) for m in layers])
+    for name, make in (("int4", int4_call), ("gemlite", gemlite_call)):
+        calls = [make(m, x) for m in layers[:n_copies(layer.nbytes, l2)]]
+        if isinstance(calls[0], str):
+            row[f"{name}_note"] = calls[0]
+        else:
+            row[f"ms_{name}_cold"] = cold_ms(calls)
+    row["speedup_vs_fp16_cold"] = row["ms_fp16_cold"] / row["ms_fused_cold"]
+    return row
+
+
+def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None, batches=BATCHES, formats=FORMATS,
+                 warm: bool = True, dry_run: bool = False) -> list[dict]:
+    """One row per (shape, format, batch): correctness vs the reference, one-time repack costs, and on CUDA the
+    L2-cold times (and, with ``warm``, the L2-warm replay times of the same weights). ``dry_run``: build every case
+    (at its real shape, on ``device``) and measure the repacks, but run no kernel."""
     rows = []
+    l2 = l2_bytes() if timed else 50 << 20
     for out_f, in_f in shapes:
         w16 = None
-        for fmt in FORMATS:
+        for fmt in formats:
             layer = random_layer(fmt, out_f, in_f, device)
+            costs = repack_costs(layer, device)
             if timed:
                 w16 = layer.dequantize(torch.float16)
-            for batch in BATCHES:
+            for batch in batches:
                 x = torch.randn(batch, in_f, device=device, dtype=torch.float16 if timed else torch.float32)
+                row = {"shape": f"{out_f}x{in_f}", "format": fmt, "batch": batch, "packed_bytes": layer.nbytes,
+                       "copies_fused": n_copies(layer.nbytes, l2), "copies_fp16": n_copies(out_f * in_f * 2, l2), **costs}
+                if dry_run:
+                    row["path"] = kernels.select(layer, "cuda", batch).name
+                    rows.append(row)
+                    continue
                 with torch.no_grad():
                     y = kernels.fused_linear(layer, x)
                     ref = reference.linear(layer, x.float())
-                row = {"shape": f"{out_f}x{in_f}", "format": fmt, "batch": batch,
-                       "path": kernels.select(layer, "cuda", batch).name, "rel_err_vs_reference": rel_err(y, ref),
-                       "packed_bytes": layer.nbytes}
+                row.update(path=kernels.select(layer, "cuda", batch).name, rel_err_vs_reference=rel_err(y, ref))
                 if timed:
-                    io = (x.numel() + batch * out_f) * 2
-                    t_fused = gpu_time_ms(lambda: kernels.fused_linear(layer, x))
-                    t_fp16 = gpu_time_ms(lambda: torch.matmul(x, w16.T))
-                    t_deq = gpu_time_ms(lambda: reference.linear(layer, x))
-                    row.update(ms_fused=t_fused, ms_fp16=t_fp16, ms_dequant_matmul=t_deq,
-                               speedup_vs_fp16=t_fp16 / t_fused,
-                               bw_frac_fused=(layer.nbytes + io) / (t_fused * 1e-3) / copy_bw,
-                               bw_frac_fp16=(w16.numel() * 2 + io) / (t_fp16 * 1e-3) / copy_bw)
+                    with torch.no_grad():
+                        row.update(_cold_row(layer, x, w16, l2))
+                    if warm:
+                        io = (x.numel() + batch * out_f) * 2
+                        t_fused = gpu_time_ms(lambda: kernels.fused_linear(layer, x))
+                        t_fp16 = gpu_time_ms(lambda: torch.matmul(x, w16.T))
+                        t_deq = gpu_time_ms(lambda: reference.linear(layer, x))
+                        row.update(ms_fused=t_fused, ms_fp16=t_fp16, ms_dequant_matmul=t_deq,
+                                   speedup_vs_fp16=t_fp16 / t_fused,
+                                   bw_frac_fused=(layer.nbytes + io) / (t_fused * 1e-3) / copy_bw,
+                                   bw_frac_fp16=(w16.numel() * 2 + io) / (t_fp16 * 1e-3) / copy_bw)
                 rows.append(row)
     return rows
 
@@ -298,7 +333,11 @@ def markdown(result: dict) -> str:
     env, timed = result["environment"], result["timed"]
     lines = [f"## Fused kernels on {env.get('gpu', env['device'])}",
              "", " | ".join(f"{k} {v}" for k, v in env.items()), ""]
-    if not timed:
+    if result.get("dry_run"):
+        lines += ["**Dry run, no kernel ran**: every case built at its real shape on the CPU; repack times are this "
+                  "process's CPU time (one thread), memory is the repacked tensors' bytes. `copies` = weight copies rotated per "
+                  "L2-cold call at a 50 MB L2.", ""]
+    elif not timed:
         lines += ["**No GPU figure was measured**: CPU run under triton's interpreter at toy shapes, for correctness "
                   "only (timings would mean nothing and are not reported).", ""]
     if "layers" in result:
@@ -325,21 +364,35 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _fmt(v, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def _layer_table(result: dict, timed: bool) -> list[str]:
     lines = []
-    if timed:
+    if timed and "copy_GBps" in result:
         lines += [f"device-to-device copy: {result['copy_GBps']:.0f} GB/s", ""]
-    head = "| shape | format | batch | path on CUDA | rel. err vs reference |"
+    head = "| shape | format | batch | path on CUDA | packed MB | repack ms | repack MB | int4 repack ms | int4 MB |"
+    if not result.get("dry_run"):
+        head += " rel. err vs reference |"
     if timed:
-        head += " fused ms | fp16 ms | dequant+matmul ms | speed-up vs fp16 | fused BW / copy | fp16 BW / copy |"
+        head += " fp16 cold ms | fused cold ms | torch int4 cold ms | gemlite cold ms | fused vs fp16 (cold) |"
+    if timed and any("ms_fused" in r for r in result["layers"]):
+        head += " fused warm ms | fp16 warm ms | dequant+matmul warm ms | fused BW / copy |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["layers"]:
-        line = f"| {r['shape']} | {r['format']} | {r['batch']} | {r['path']} | {r['rel_err_vs_reference']:.1e} |"
+        line = (f"| {r['shape']} | {r['format']} | {r['batch']} | {r['path']} | {r['packed_MB']:.2f} | {r['repack_ms']:.2f} | "
+                f"{r['repack_MB']:.3f} | {_fmt(r.get('int4_repack_ms'), '.1f')} | {_fmt(r.get('int4_MB'), '.2f')} |")
+        if not result.get("dry_run"):
+            line += f" {r['rel_err_vs_reference']:.1e} |"
         if timed:
-            line += (f" {r['ms_fused']:.4f} | {r['ms_fp16']:.4f} | {r['ms_dequant_matmul']:.4f} | "
-                     f"{r['speedup_vs_fp16']:.2f}x | {r['bw_frac_fused']:.0%} | {r['bw_frac_fp16']:.0%} |")
+            line += (f" {r['ms_fp16_cold']:.4f} | {r['ms_fused_cold']:.4f} | {_fmt(r.get('ms_int4_cold'))} | "
+                     f"{_fmt(r.get('ms_gemlite_cold'))} | {r['speedup_vs_fp16_cold']:.2f}x |")
+        if "ms_fused" in r:
+            line += f" {r['ms_fused']:.4f} | {r['ms_fp16']:.4f} | {r['ms_dequant_matmul']:.4f} | {r['bw_frac_fused']:.0%} |"
         lines.append(line)
-    return lines
+    notes = sorted({f"{k[:-5]}: {v}" for r in result["layers"] for k, v in r.items() if k.endswith("_note")})
+    return lines + [f"- {n}" for n in notes]
 
 
 def main() -> None:
@@ -351,24 +404,43 @@ def main() -> None:
                          "decode compresses a 1B model on the CPU first, a few minutes on 16 cores)")
     ap.add_argument("--checkpoint", help="also decode this qrecover checkpoint (e.g. the default model's), fused vs reference")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    ap.add_argument("--quick", action="store_true", help="the issue's three shapes at batch 1 and 16, L2-cold only, "
+                    "4 tuning configs per case (layers only unless --parts says otherwise): a table within ~4 minutes on an H100")
+    ap.add_argument("--dry-run", action="store_true", help="build every case at its real shape on the CPU and measure the "
+                    "one-time repacks (time, memory), run no kernel (checks the benchmark itself without a GPU)")
     args = ap.parse_args()
-    if args.device == "cpu" and not args.interpret:
+    if args.dry_run:
+        args.device = "cpu"
+        if args.parts == ap.get_default("parts"):
+            args.parts = "layers"
+    elif args.quick and args.parts == ap.get_default("parts"):
+        args.parts = "layers"
+    if args.device == "cpu" and not args.interpret and not args.dry_run:
         ap.error("on CPU the kernels only run in triton's interpreter: pass --interpret (correctness only)")
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # read by @triton.jit when qrecover.kernels.qmatmul is first imported
     parts = set(args.parts.split(","))
     if not parts or parts - {"layers", "adapters", "decode"}:
         ap.error(f"--parts {args.parts!r}: choose from layers,adapters,decode")
-    timed = args.device == "cuda" and not args.interpret
+    if args.dry_run and parts != {"layers"}:
+        ap.error("--dry-run checks the layer cases only: drop --parts or pass --parts layers")
+    timed = args.device == "cuda" and not args.interpret and not args.dry_run
     torch.manual_seed(0)
-    result = {"environment": environment(args.device), "timed": timed, "parts": sorted(parts)}
+    result = {"environment": environment(args.device), "timed": timed, "parts": sorted(parts), "quick": args.quick,
+              "dry_run": args.dry_run}
     checks = []
+    if args.quick:
+        from qrecover.kernels import qmatmul  # after TRITON_INTERPRET is settled: it builds the kernels on import
+        qmatmul.TUNE_LIMIT = 4
     if "layers" in parts:
-        if timed:
+        if timed and not args.quick:
             result["copy_GBps"] = copy_bandwidth(args.device) / 1e9
-        result["layers"] = bench_layers(args.device, GPU_SHAPES if timed else TOY_SHAPES, timed,
-                                        result["copy_GBps"] * 1e9 if timed else None)
-        checks.append(max(r["rel_err_vs_reference"] for r in result["layers"]) < (2e-3 if timed else 1e-5))
+        shapes = QUICK_SHAPES if (args.quick or args.dry_run) else GPU_SHAPES if timed else TOY_SHAPES
+        result["layers"] = bench_layers(args.device, shapes, timed, result.get("copy_GBps", 0) * 1e9,
+                                        batches=QUICK_BATCHES if args.quick else BATCHES, warm=not args.quick,
+                                        dry_run=args.dry_run)
+        if not args.dry_run:
+            checks.append(max(r["rel_err_vs_reference"] for r in result["layers"]) < (2e-3 if timed else 1e-5))
     if "adapters" in parts:
         result["multi_adapter"] = bench_multi_adapter(args.device, (4096, 4096) if timed else (96, 128), timed)
         checks.append(result["multi_adapter"]["rel_err_multi_vs_one_by_one"] < 1e-2)
@@ -382,9 +454,13 @@ def main() -> None:
     print(markdown(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if parts == {"layers", "adapters", "decode"} else "-" + "-".join(sorted(parts))
+    suffix = ("" if parts == {"layers", "adapters", "decode"} else "-" + "-".join(sorted(parts))) + (
+        "-quick" if args.quick else "") + ("-dry-run" if args.dry_run else "")
     path = write_text_atomic(out / f"kernels-{args.device}{suffix}.json", json.dumps(result, indent=2))
-    print(f"\nwrote {path}; every fused result {'matches' if result['correct'] else 'DOES NOT match'} the reference")
+    if args.dry_run:
+        print(f"\nwrote {path}; dry run: {len(result['layers'])} cases built, no kernel ran")
+    else:
+        print(f"\nwrote {path}; every fused result {'matches' if result['correct'] else 'DOES NOT match'} the reference")
     sys.exit(0 if result["correct"] else 1)
 
 

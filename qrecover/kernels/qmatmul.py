@@ -225,6 +225,8 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
 
 
 _TUNED: dict[tuple, Config] = {}
+#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
+TUNE_LIMIT: int | None = None
 #: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
 SMS = 132
 
@@ -289,7 +291,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
     if key in _TUNED:
         return _TUNED[key]
-    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
+    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)[:TUNE_LIMIT]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
     else:

@@ -1,0 +1,49 @@
+"""benchmarks/kernels.py without a GPU: ``--dry-run --quick`` builds every case of the quick table at its real shape
+(the issue's three layers x three formats x batch 1/16), measures the one-time repacks and runs no kernel; the
+L2-cold copy counts are checked here. The GPU figures themselves come from ``python benchmarks/kernels.py --quick``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernel_timing import n_copies  # noqa: E402
+
+
+def test_l2_cold_copies_exceed_three_times_l2():
+    l2 = 50 << 20
+    assert n_copies(4096 * 14336 * 2, l2) == 2  # fp16 4096x14336 (117 MB): two copies already exceed 150 MB
+    assert n_copies(6_300_000, l2) == 25 and 25 * 6_300_000 > 3 * l2  # 3-bit 4096x4096
+    assert n_copies(100, l2) == 64  # capped
+
+
+def test_dry_run_builds_every_quick_case(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--dry-run", "--quick", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Dry run, no kernel ran" in proc.stdout and "18 cases built" in proc.stdout
+    result = json.loads((tmp_path / "kernels-cpu-layers-quick-dry-run.json").read_text())
+    rows = result["layers"]
+    assert {(r["shape"], r["format"], r["batch"]) for r in rows} == {
+        (s, f, b) for s in ("4096x14336", "14336x4096", "4096x4096") for f in ("palettize-3", "palettize-4", "blockwise-4-b64")
+        for b in (1, 16)}
+    for r in rows:
+        out_f, in_f = map(int, r["shape"].split("x"))
+        bits = 3 if r["format"] == "palettize-3" else 4
+        assert r["packed_bytes"] >= out_f * in_f * bits // 8
+        if r["format"] == "palettize-4":  # fp32 pair tables: (out/16) tables x 256 pairs x 8 bytes
+            assert r["repack_MB"] * 1e6 == pytest.approx(out_f // 16 * 256 * 8)
+        if r["format"] == "blockwise-4-b64":  # torch's int4 layout: codes + (K/64, N, 2) bf16 scales and zeros
+            assert r["int4_MB"] * 1e6 == pytest.approx(out_f * in_f // 2 + in_f // 64 * out_f * 2 * 2)
+        else:
+            assert "int4_MB" not in r
