@@ -25,6 +25,7 @@ import torch.distributed as dist
 from qrecover.api import compress
 from qrecover.config import CompressConfig
 from qrecover.distributed import OrderedSum, World
+from qrecover.errors import QRecoverError
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with the gloo backend is not available in this torch build")
@@ -109,10 +110,14 @@ def test_a_failing_process_leaves_nothing(tiny_model_dir, tmp_path):
     assert list((tmp_path / "ckpts").iterdir()) == []
 
 
-def test_more_processes_than_windows_is_refused(tiny_model_dir, tmp_path):
-    proc = _torchrun(["-m", "qrecover.cli"], *_cli_args(tiny_model_dir, tmp_path / "out", None)[:-1], "--calib-samples", "1")
-    assert proc.returncode != 0
-    assert "--calib-samples 1 is fewer than the 2 processes" in proc.stdout + proc.stderr
+def test_more_processes_than_windows_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """Refused before the model is read (as the first of 2 processes: no collective is reached)."""
+    import qrecover.api
+
+    monkeypatch.setattr(qrecover.api, "join", lambda: World(0, 2))
+    monkeypatch.setattr(qrecover.api, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(QRecoverError, match=r"--calib-samples 1 is fewer than the 2 processes; give at least one window per process"):
+        compress(CompressConfig(model=str(tiny_model_dir), **{**RUN, "calib_samples": 1}), out=tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
 
 
