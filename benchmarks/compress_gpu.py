@@ -51,14 +51,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(ROOT))
 
 import qrecover.api  # noqa: E402  (the stage functions below are found in the modules it loads)
-from benchmarks.train_speed import LLAMA_1B, TOY  # noqa: E402  (the geometry the training benchmark measures)
+from benchmarks.train_speed import LLAMA_1B  # noqa: E402  (the geometry the training benchmark measures)
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "compress_gpu"
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, rope_theta=500000.0)
-TINY = {"1b": TOY,
+TINY = {"1b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
         "8b": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)}
 #: qrecover's stage functions, timed where called from outside another (their names, found in the loaded modules)
