@@ -22,10 +22,10 @@ values do not change the speed, and it saves minutes) on the device; then for ea
 (the teacher in bf16 on the same GPU), bf16 autocast, sequences of 2048 tokens, ``--steps`` optimizer steps of
 one micro-batch each. The trainer reads the loss back at its first 2 steps (the warm-up: compilation, allocator,
 autotuning) and then only every ``--log-every`` steps: steady-state tokens/s is the tokens after the warm-up over
-the time after it; the warm-up's seconds are reported apart. Every optimizer step runs under
-:class:`qrecover.recovery.host_sync.HostSyncCounter`: the host synchronisations (device reads) and ATen operator
-dispatches (about one kernel launch each on a GPU) per steady-state step are printed (median); on the CPU these
-counts are what a GPU run would see, the timings not. A size that runs out of memory is reported as such.
+the time after it; the warm-up's seconds are reported apart. The second optimizer step (the last of the warm-up)
+runs under :class:`qrecover.recovery.host_sync.HostSyncCounter`: its host synchronisations (device reads) and ATen
+operator dispatches (about one kernel launch each on a GPU) are printed per step; on the CPU these counts are what
+a GPU run would see, the timings not. A size that runs out of memory is reported as such.
 
 FLOPs per trained token, counted as work the model must do: the frozen student's forward (``2 N``) and its
 backward to the activations (``2 N``: no weight gradients for a frozen base; LoRA's are negligible), the
@@ -46,7 +46,6 @@ import argparse
 import json
 import platform
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,18 +119,24 @@ def flops_per_token(config: dict, seq_len: int) -> dict:
 
 
 class StepCounts:
-    """Wraps the trainer's optimizer step in :class:`HostSyncCounter` for one run: per step, host synchronisations
-    and ATen dispatches (``rows``)."""
+    """Wraps the trainer's optimizer step for one run and counts, under :class:`HostSyncCounter`, the host
+    synchronisations and ATen dispatches of its second step only: the last warm-up step, timed apart, so that the
+    counter's own Python overhead (per operator) never enters the steady-state timings. With ``--compile-layers`` the
+    counts are the eager path's (compiled graphs do not run under a dispatch mode)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[int, int]] = []
+        self.calls = 0
+        self.counted: HostSyncCounter | None = None
         self._real = T.optimizer_step
 
     def __enter__(self) -> "StepCounts":
         def counted(ctx, micro):
+            self.calls += 1
+            if self.calls != T.WARMUP_LOG_STEPS:
+                return self._real(ctx, micro)
             with HostSyncCounter() as c:
                 out = self._real(ctx, micro)
-            self.rows.append((c.syncs, c.dispatches))
+            self.counted = c
             return out
 
         T.optimizer_step = counted
@@ -141,19 +146,17 @@ class StepCounts:
         T.optimizer_step = self._real
 
     def steady(self) -> dict:
-        """Medians over the steps after the warm-up (all steps when there are no more)."""
-        rows = self.rows[T.WARMUP_LOG_STEPS:] or self.rows
-        return {"syncs_per_step": statistics.median(r[0] for r in rows) if rows else None,
-                "dispatches_per_step": statistics.median(r[1] for r in rows) if rows else None,
-                "first_step_syncs": self.rows[0][0] if self.rows else None}
+        c = self.counted
+        return {"syncs_per_step": c.syncs if c else None, "dispatches_per_step": c.dispatches if c else None,
+                "sync_kinds": dict(c.by_name) if c else None}
 
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
-               compile_layers: bool = False) -> dict:
+               compile_layers: bool = False, checkpointing: bool = False) -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
                         mix=str(mix), decontaminate=False, checkpoint_every=0, precision="auto", log_every=log_every,
-                        compile_layers=compile_layers)
+                        compile_layers=compile_layers, gradient_checkpointing=checkpointing)
     t0 = time.perf_counter()
     try:
         with StepCounts() as counts:
@@ -173,7 +176,7 @@ def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps
             "adapter_mb": meta["bytes"]["tensors"] / 1e6, **counts.steady()}
 
 
-def auto_micro_batch(ckpt: Path, mix: Path, out: Path, seq_len: int, largest: int = 64) -> list[int]:
+def auto_micro_batch(ckpt: Path, mix: Path, out: Path, seq_len: int, checkpointing: bool, largest: int = 64) -> list[int]:
     """``--micro-batch auto``: on CUDA, the largest power-of-two micro-batch whose training step fits (one 2-step
     run per size, doubling until out of memory); on a CPU nothing to probe: ``[1]``."""
     if not torch.cuda.is_available():
@@ -181,7 +184,7 @@ def auto_micro_batch(ckpt: Path, mix: Path, out: Path, seq_len: int, largest: in
         return [1]
     fits, b = 1, 1
     while b <= largest:
-        r = train_once(ckpt, mix, out, b, seq_len, 2, 1)
+        r = train_once(ckpt, mix, out, b, seq_len, 2, 1, checkpointing=checkpointing)
         if "oom" in r:
             break
         fits, b = b, 2 * b
@@ -212,6 +215,8 @@ def print_table(result: dict) -> None:
         print("\n| tokens, GPUs | projected wall time (h) |\n|---|---|")
         for k, h in result["projection_hours"].items():
             print(f"| {k} | {h:,.1f} |")
+    if any(r.get("sync_kinds") for r in result["rows"]):
+        print("\nhost syncs by kind:", "; ".join(f"{r['batch']}: {r['sync_kinds']}" for r in result["rows"] if r.get("sync_kinds")))
     if result["tiny"]:
         print("\n(--tiny: a tiny config on this device; the counts per step are what a GPU run would see, the timings not)")
 
@@ -227,6 +232,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="one run within this many seconds: micro-batch 4 (or --micro-batch), --steps, exit 1 if over")
     ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="activation checkpointing (recompute in backward): with --micro-batch auto, a larger micro-batch fits")
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--out", type=Path, default=OUT.parent, help="where the model, checkpoint and JSON go")
     args = ap.parse_args()
@@ -248,7 +255,7 @@ def main() -> None:
     build_s = time.perf_counter() - t_start
     compress_s = compress_model(src, d / "ckpt", device, min(seq_len, 512))
     if args.micro_batch == "auto":
-        batches = auto_micro_batch(d / "ckpt", d / "mix.toml", d / "adapter-probe", seq_len)
+        batches = auto_micro_batch(d / "ckpt", d / "mix.toml", d / "adapter-probe", seq_len, args.gradient_checkpointing)
     elif args.micro_batch is not None:
         batches = [int(args.micro_batch)]
     elif args.budget_s is not None:
@@ -258,7 +265,8 @@ def main() -> None:
     fl = flops_per_token(config, seq_len)
     rows = []
     for b in batches:
-        r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers)
+        r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
+                       args.gradient_checkpointing)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

@@ -126,3 +126,19 @@ def test_teacher_device_is_per_process_on_several(monkeypatch):
     assert teacher_target("cuda:4", cpu) == torch.device("cuda", 6)  # process 2 of 4: its own teacher GPU
     assert teacher_target("cuda", cpu) == torch.device("cuda")  # no index: the process's current device
     assert teacher_target("cpu", cpu) == cpu and teacher_target(None, torch.device("cuda", 2)) == torch.device("cuda", 2)
+
+
+def test_compile_layers_compiles_every_decoder_layer_in_place_and_keeps_outputs():
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    want = model(input_ids=ids, use_cache=False).logits
+    names = [n for n, _ in model.named_parameters()]
+    assert T.compile_layers(model, backend="eager") == 3  # eager: the wiring, without a C++ compiler
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert T.compile_layers(model, backend="eager") == 3 and [n for n, _ in model.named_parameters()] == names
+    assert torch.allclose(model(input_ids=ids, use_cache=False).logits, want, atol=1e-6)

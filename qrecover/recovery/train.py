@@ -349,13 +349,13 @@ def _packed_bytes_per_process(model: nn.Module, accelerator: Any) -> list[int]:
     return [int(b) for b in (accelerator.gather(mine) if accelerator.num_processes > 1 else mine).tolist()]
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
     """``torch.compile`` every decoder layer of ``model`` (transformers, unwrapped) in place (``nn.Module.compile``:
-    the module keeps its parameters, names and hooks); returns how many. Idempotent."""
+    the module keeps its parameters, names and hooks) with ``backend``; returns how many. Idempotent."""
     layers = decoder_layers(model)
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:
-            layer.compile()
+            layer.compile(backend=backend)
     return len(layers)
 
 
