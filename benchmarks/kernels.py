@@ -279,7 +279,7 @@ def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dic
 def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, dense=None) -> dict:
     """Greedy decoding of a qrecover checkpoint with the fused kernels and with the reference path (and of
     ``dense``, the uncompressed model, when given): tokens/s when timed, and the fused-vs-reference agreement."""
-    from qrecover.api import load
+    from qrecover.loading import load
 
     dtype = torch.float16 if timed else torch.float32
     qmodel = embed_in_dtype(load(ckpt).to(device=device, dtype=dtype), dtype)

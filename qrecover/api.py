@@ -15,16 +15,15 @@ import torch.nn as nn
 
 from ._version import __version__
 from .allocate import Choice
-from .checkpoint import FORMAT_VERSION, read_packed
+from .checkpoint import FORMAT_VERSION
 from .config import CompressConfig
 from .data import token_windows
 from .distributed import SINGLE, join, local_device
 from .errors import QRecoverError
+from .loading import load, load_any  # noqa: F401  (re-exported: qrecover.api is the facade)
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
 from .progress import progress
-from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
-from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
 from .recovery.mix import calibration_windows
 from .sensitivity import METHOD, linear_damage
 from .stages.allocation import Budget, Infeasible, choose
@@ -36,7 +35,6 @@ from .stages.transform import apply_transforms, transforms_of
 from .stages.write import bpw as _bpw
 from .stages.write import write_checkpoint
 from .transforms import get_transform
-from .transforms.rotate import attach_online
 
 
 def _fits(c: Encoding, shape: tuple[int, int]) -> bool:
@@ -430,92 +428,6 @@ def _versions() -> dict[str, str]:
 
     return {"qrecover": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "safetensors": safetensors.__version__, "python": platform.python_version()}
-
-
-# --- load -----------------------------------------------------------------------------------------------
-
-
-def _check_plain_linear(name: str, module: nn.Module) -> None:
-    """A packed linear layer computes ``x W^T + b`` and nothing else: refuse a layer class whose forward does
-    more (a scaled or capped head inside the module) rather than load a model that silently differs.
-    Logit soft-capping (Gemma-2/3) is applied by the causal-LM forward, outside the head, and is kept."""
-    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
-        raise QRecoverError(f"{name} is a {type(module).__name__}, whose forward is not a plain linear layer's; "
-                            "qrecover cannot load it packed yet: compress with a model whose linear layers are nn.Linear")
-
-
-def load(path: str | Path, cache: bool = False, verify: bool = True, adapter: str | Path | None = None,
-         allow_foreign_adapter: bool = False) -> nn.Module:
-    """Load a compressed checkpoint as a transformers model with :class:`QuantLinear` layers.
-
-    ``verify`` checks the weights file against the manifest's sha256 (a tampered or corrupted file is
-    refused). ``cache`` keeps dequantized weights after first use (faster repeated CPU evaluation).
-    ``adapter``: a recovery adapter directory; the model comes back wrapped in PEFT's ``PeftModel``. An
-    adapter trained on another checkpoint is refused unless ``allow_foreign_adapter``.
-    """
-    if adapter is not None:
-        check_base(adapter, path, allow_foreign_adapter)  # before the expensive load
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = Path(path)
-    manifest, packed, state = read_packed(path, verify)
-    config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if manifest.get("moe", {}).get("unfused"):  # the experts modules compress converted (qrecover.moe)
-        unfuse_experts(model, only=manifest["moe"]["unfused"])
-    for name, info in manifest["layers"].items():
-        qw = packed[name]
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        if info["kind"] == "embedding":  # keeps the module's own forward (e.g. Gemma's sqrt(hidden) scale)
-            new = QuantEmbedding.replacing(old, qw, cache=True)
-        else:
-            _check_plain_linear(name, old)
-            bias = state.pop(f"{name}.bias", None)
-            new = QuantLinear(qw, bias=bias.float() if bias is not None else None, cache=cache)
-        setattr(parent, child, new)
-        if "tied_to" in info:
-            hp, _, hc = info["tied_to"].rpartition(".")
-            _check_plain_linear(info["tied_to"], model.get_submodule(info["tied_to"]))
-            setattr(model.get_submodule(hp), hc, QuantLMHead(new))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not any(k.startswith(f"{n}.") for n in manifest["layers"])]
-    if missing or unexpected:
-        raise QRecoverError(f"checkpoint {str(path)!r} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    attach_online(model, manifest.get("transforms", {}).get("online"))  # e.g. rot on a tied head: the final norm
-    model.eval()
-    model.qrecover_manifest = manifest
-    if adapter is not None:
-        model = peft_from_pretrained(model, adapter)  # qrecover's LoRA layer: merging re-quantizes
-        model.eval()
-        model.qrecover_manifest = manifest
-    return model
-
-
-def load_any(spec: str | None, cache: bool = True, adapter: str | Path | None = None,
-             allow_foreign_adapter: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """An original model or a qrecover checkpoint (with an optional recovery adapter), for evaluation.
-
-    Returns ``(model, tokenizer, info)``; ``info["adapter"]`` is ``{path, rank, bpw_cost}`` when an adapter
-    is loaded, else None.
-    """
-    from transformers import AutoTokenizer
-
-    path, kind = resolve(spec)
-    if kind == "qrecover":
-        model = load(path, cache=cache, adapter=adapter, allow_foreign_adapter=allow_foreign_adapter)
-        info = {"kind": "qrecover", "path": str(path), "measured_bpw": model.qrecover_manifest.get("measured_bpw"),
-                "adapter": None}
-        if adapter is not None:
-            info["adapter"] = adapter_summary(adapter, model.qrecover_manifest)
-        return model, AutoTokenizer.from_pretrained(path), info
-    if adapter is not None:
-        raise QRecoverError(f"--adapter needs a qrecover checkpoint; {spec or 'the default model'!r} is an unquantized "
-                            "model. Pass the checkpoint the adapter was trained on")
-    model, tok, source = load_model(spec)
-    return model, tok, {"kind": source.kind, "path": source.path, "measured_bpw": {"model": 32.0, "linear": 32.0},
-                        "adapter": None}
 
 
 # --- perplexity -----------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ from typing import Any
 from .errors import QRecoverError
 from .fields import DictConfig, doc_field
 
+#: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given, a preset of
+#: :data:`qrecover.stages.specs.PRESETS` (until 2026-11-24: ``afm``, which configurations written then name explicitly
+#: as ``scheme``/``bits``; then ``afm-blocks`` for a day).
+DEFAULT_ENCODINGS = "mixed-blocks"
+
 
 @dataclass
 class CompressConfig(DictConfig):
@@ -25,7 +30,7 @@ class CompressConfig(DictConfig):
                                             "(the first four only), '4' or '8'")
     encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' "
                                             "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`, "
-                                            "or, when neither is given, the default menu (stages.specs.DEFAULT_ENCODINGS, 'mixed-blocks')")
+                                            "or, when neither is given, the default menu (DEFAULT_ENCODINGS, 'mixed-blocks')")
     embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. "
                                                       "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
     finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "
@@ -46,8 +51,6 @@ class CompressConfig(DictConfig):
 
     def __post_init__(self) -> None:
         if self.encodings is None and self.scheme is None and self.bits is None:
-            from .stages.specs import DEFAULT_ENCODINGS
-
             self.encodings = DEFAULT_ENCODINGS
         if self.scheme is None:
             self.scheme = "palettize"
@@ -79,4 +82,4 @@ class CompressConfig(DictConfig):
                 raise QRecoverError(f"{name}={getattr(self, name)} must be positive")
 
 
-__all__ = ["CompressConfig"]
+__all__ = ["CompressConfig", "DEFAULT_ENCODINGS"]

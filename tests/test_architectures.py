@@ -34,10 +34,11 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-from qrecover.api import _check_plain_linear, compress, load
+from qrecover.api import compress
 from qrecover.config import CompressConfig
 from qrecover.data import adds_bos, documents, token_stream, token_windows
 from qrecover.errors import QRecoverError
+from qrecover.loading import _check_plain_linear, load
 from qrecover.models import default_model_dir
 from qrecover.moe import unfuse_experts
 from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead, _Packed

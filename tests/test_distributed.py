@@ -27,8 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.recovery.api import recover
 from qrecover.recovery.config import RecoverConfig
 from qrecover.recovery.train import load_checkpoint

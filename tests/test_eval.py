@@ -129,7 +129,8 @@ def test_quantized_against_its_source(quantized, original, tiny_ckpt):
 
 
 def test_ppl_unchanged_by_the_kl_probe(quantized, tiny_ckpt):
-    from qrecover.api import load_any, perplexity
+    from qrecover.api import perplexity
+    from qrecover.loading import load_any
 
     model, tok, _ = load_any(str(tiny_ckpt))
     p = perplexity(model, tok, "python-docs", 2, 32, show_progress=False)
@@ -137,8 +138,8 @@ def test_ppl_unchanged_by_the_kl_probe(quantized, tiny_ckpt):
 
 
 def test_kl_zero_with_itself_positive_perturbed(tiny_model_dir):
-    from qrecover.api import load_any
     from qrecover.data import token_windows
+    from qrecover.loading import load_any
 
     model, tok, _ = load_any(str(tiny_model_dir))
     other, _, _ = load_any(str(tiny_model_dir))

@@ -19,11 +19,12 @@ import transformers as T
 from cli_helpers import run
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qrecover.api import compress, load
+from qrecover.api import compress
 from qrecover.config import CompressConfig
 from qrecover.export import export
 from qrecover.export.common import read_checkpoint
 from qrecover.export.gguf_format import ARCHS, row_permutation
+from qrecover.loading import load
 from qrecover.models import default_model_dir
 
 gguf = pytest.importorskip("gguf")

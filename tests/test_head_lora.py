@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.recovery.adapter_int8 import INT8_FILE, dequantize_rows, expand_int8_file, load_int8, quantize_rows
 from qrecover.recovery.config import RecoverConfig
 from qrecover.recovery.head_lora import QuantLoraHead, head_config

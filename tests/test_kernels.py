@@ -256,7 +256,7 @@ def _peft_adapter(ckpt, out, rank: int, targets: list[str], seed: int):
     """A PEFT adapter on the loaded checkpoint with random (non-zero) A and B, saved in PEFT's format."""
     from peft import LoraConfig, get_peft_model
 
-    from qrecover.api import load
+    from qrecover.loading import load
 
     model = get_peft_model(load(ckpt), LoraConfig(r=rank, lora_alpha=2.0 * rank + seed, target_modules=targets))
     g = torch.Generator().manual_seed(seed)
@@ -272,8 +272,8 @@ def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
     """Three sequences through one model, each with its own adapter (or none), match PEFT run adapter by adapter."""
     from peft import PeftModel
 
-    from qrecover.api import load
     from qrecover.kernels.multi_adapter import attach_adapters
+    from qrecover.loading import load
 
     dirs = [_peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "v_proj"], 0),
             _peft_adapter(tiny_ckpt, tmp_path / "a1", 2, ["q_proj", "down_proj"], 1)]
@@ -319,7 +319,7 @@ def test_cuda_forward_uses_the_fused_kernel(monkeypatch):
 @needs_cuda
 @needs_triton
 def test_loaded_checkpoint_moved_to_cuda_matches_cpu(tiny_ckpt):
-    from qrecover.api import load
+    from qrecover.loading import load
 
     model = load(tiny_ckpt)
     ids = torch.randint(0, 1000, (1, 12))

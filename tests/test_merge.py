@@ -21,8 +21,8 @@ import torch.nn as nn
 from conftest import build_tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.lora import attach_lora, base_identity, load_adapter, lora_modules, quantized_targets, save_adapter
 from qrecover.recovery.peft_quant import MERGE_WARNING, QuantLoraLinear, collect_merge_stats, merge_and_unload, register_quant_lora, requantize

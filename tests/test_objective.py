@@ -27,8 +27,8 @@ from cli_helpers import run as cli
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.recovery import objective as O
 from qrecover.recovery.api import recover
 from qrecover.recovery.config import RecoverConfig

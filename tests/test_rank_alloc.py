@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.recovery.lora import attach_lora, lora_modules, lowrank_correction
 from qrecover.recovery.rank_alloc import allocate_ranks, damage_ranks, top_spectrum
 

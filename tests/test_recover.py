@@ -21,8 +21,8 @@ import pytest
 import torch
 from cli_helpers import run as cli
 
-from qrecover.api import load
 from qrecover.errors import QRecoverError
+from qrecover.loading import load
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.api import finetune, init_feature_model, recover
 from qrecover.recovery.config import RecoverConfig
@@ -394,14 +394,15 @@ def test_interrupted_before_the_first_checkpoint_leaves_no_output(tiny_ckpt, tex
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Fail the test if anything loads a model, a tokenizer or attaches an adapter."""
-    import qrecover.api
+    import qrecover.loading
     import qrecover.recovery.api as recovery_api
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was validated")
 
-    monkeypatch.setattr(qrecover.api, "load", refuse)
-    monkeypatch.setattr(recovery_api, "load", refuse)  # recovery.api's own import of qrecover.api.load
+    monkeypatch.setattr(qrecover.loading, "load", refuse)
+    monkeypatch.setattr(recovery_api, "load", refuse)  # recovery.api's own import of qrecover.loading.load
+    monkeypatch.setattr(recovery_api, "attach_adapter", refuse)
     monkeypatch.setattr(recovery_api, "load_model", refuse)
     monkeypatch.setattr(recovery_api, "attach_lora", refuse)
     monkeypatch.setattr(recovery_api, "init_feature_model", refuse)

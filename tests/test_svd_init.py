@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qrecover.api import load
 from qrecover.calibrate import input_moments
+from qrecover.loading import load
 from qrecover.recovery import lora
 from qrecover.recovery.lora import attach_lora, best_correction, init_error_svd, lora_modules, lowrank_correction, randomized_correction
 

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from ..config import CompressConfig
+from ..errors import QRecoverError
 from .common import CalibDataOpt, JsonOpt, ModelArg, console, emit_json, parse_ints
 
 EXAMPLES = """Examples:
@@ -96,20 +98,15 @@ def compress(
     json_out: bool = JsonOpt,
 ) -> None:
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
-    from ..api import compress as run
-    from ..config import CompressConfig
-    from ..distributed import join
-    from ..errors import QRecoverError
-    from ..models import DEFAULT_MODEL
-
     params: dict = {}
     if group_size is not None:
         params["group_size"] = group_size
     if block_size is not None:
         params["block_size"] = block_size
-    from ..stages.specs import parse_params
+    if scheme_param:
+        from ..stages.specs import parse_params  # lazy: the scheme registry imports torch
 
-    params.update(parse_params(scheme_param or []))
+        params.update(parse_params(scheme_param))
     widths = parse_ints(bits, "--bits") if bits is not None else None
     n_encodings = (len([e for e in encodings.split(",") if e.strip()]) if encodings
                    else len(widths) if widths is not None else 3 if scheme is not None else 0)
@@ -125,6 +122,11 @@ def compress(
         calib_samples=calib_samples, seq_len=seq_len, encodings=encodings, embedding_encodings=embedding_encodings,
         finalize=finalize, finalize_groups=finalize_groups, device=device,
     )
+    # the options are valid: now the heavy modules (torch, transformers; seconds to import)
+    from ..api import compress as run  # lazy (all three): torch and transformers take seconds to import
+    from ..distributed import join
+    from ..models import DEFAULT_MODEL
+
     if out is None:
         name = Path(model).stem if model else DEFAULT_MODEL
         uniform_name = (encodings or "").strip().replace(":", "").replace("/", "-").replace("+", "-") or f"{cfg.bits[0]}bit"

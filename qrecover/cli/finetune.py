@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from ..errors import QRecoverError
 from ..recovery.config import RecoverConfig
 from .common import JsonOpt, console, emit_json
 
@@ -40,14 +41,13 @@ def finetune(
     json_out: bool = JsonOpt,
 ) -> None:
     """Train a feature adapter initialised from a recovery adapter, the quantized base frozen (cross-entropy)."""
-    from ..errors import QRecoverError
-    from ..recovery.api import finetune as run
-
     if overwrite and resume:
         raise QRecoverError("--overwrite and --resume contradict each other; pick one")
     cfg = RecoverConfig(objective="ce", tokens=tokens, lr=lr, seq_len=seq_len, batch_size=batch_size,
                         grad_accum=grad_accum, checkpoint_every=checkpoint_every, seed=seed, decontaminate=False,
                         precision=precision)
+    from ..recovery.api import finetune as run  # lazy: torch, transformers, peft take seconds to import
+
     meta = run(checkpoint, init_adapter, data, out, cfg, overwrite=overwrite, resume=resume,
                show_progress=not json_out, allow_foreign_adapter=allow_foreign_adapter)
     if not meta:  # a non-main process of a distributed run (torchrun): the main process reports

@@ -28,8 +28,9 @@ def ppl(
     json_out: bool = JsonOpt,
 ) -> None:
     """Perplexity on held-out text under a fixed protocol (windows x seq-len tokens of the eval split)."""
-    from ..api import load_any, perplexity
+    from ..api import perplexity
     from ..errors import QRecoverError
+    from ..loading import load_any
 
     if windows <= 0 or seq_len <= 1:
         raise QRecoverError(f"--windows {windows} and --seq-len {seq_len} must be positive (seq-len at least 2)")

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import QRecoverError
 from ..recovery.config import RecoverConfig
 from .common import JsonOpt, console, emit_json, parse_ints, training_data
 
@@ -91,10 +92,6 @@ def recover(
     json_out: bool = JsonOpt,
 ) -> None:
     """Train LoRA recovery adapters on the frozen quantized model (AFM section 5): PEFT adapters in 16 bits."""
-    from ..errors import QRecoverError
-    from ..recovery.api import read_mix_or_data
-    from ..recovery.api import recover as run
-
     mix = training_data(mix, data, overwrite, resume)
     rank_list = parse_ints(ranks, "--ranks") if ranks else [rank]
     if not rank_list:
@@ -108,6 +105,10 @@ def recover(
                              teacher_device=teacher_device, head_rank=head_rank, schedule=schedule,
                              decay_fraction=decay_fraction, adapter_bits=adapter_bits, log_every=log_every,
                              compile_layers=compile_layers) for r in rank_list]
+    # the options are valid: now the heavy modules (torch, transformers, peft; seconds to import)
+    from ..recovery.api import read_mix_or_data
+    from ..recovery.api import recover as run
+
     read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))
     results = []

@@ -42,11 +42,12 @@ from typing import Any
 from rich.console import Console
 
 from .._version import __version__
-from ..api import load_any, perplexity
+from ..api import perplexity
 from ..benchdata import data_file
 from ..checkpoint import MANIFEST
 from ..errors import QRecoverError
 from ..io_utils import atomic_file, sha256_file
+from ..loading import load_any
 from ..models import DEFAULT_MODEL, resolve, weights_sha256
 from ..reports.results import Adapter, MeasuredBpw, Metric, Results, RunInfo
 from .agreement import KLProbe, answer_flips, load_answers, store_answers

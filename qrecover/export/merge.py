@@ -26,10 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..api import load, perplexity
+from ..api import perplexity
 from ..checkpoint import source_model_spec
 from ..errors import QRecoverError
 from ..evaluate.agreement import KLProbe
+from ..loading import load
 from ..models import load_model
 from ..qlinear import QuantLinear
 from ..recovery.lora import lora_modules

@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
-from ..api import load
 from ..checkpoint import read_manifest, source_model_spec
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
+from ..loading import attach_adapter, load
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
 from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
-from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, load_adapter, quantized_targets, save_adapter
+from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, quantized_targets, save_adapter
 from .mix import Mix, MixLoader, calibration_windows, load_mix, single_source_mix
 from .objective import place_teacher
 from .rank_alloc import damage_ranks
@@ -331,13 +331,8 @@ def init_feature_model(checkpoint: str | Path, init_adapter: str | Path, allow_f
                        cache: bool = True):
     """The quantized base (frozen) with the recovery adapter loaded as trainable weights: a feature adapter's
     step 0. The same as ``PeftModel.from_pretrained(qrecover.load(CKPT), RECOVERY_DIR, is_trainable=True)``."""
-    checkpoint = _require_checkpoint(checkpoint)
-    check_base(init_adapter, checkpoint, allow_foreign_adapter)  # unreadable or foreign: refused before the load
-    model = load(checkpoint, cache=cache)
-    manifest = model.qrecover_manifest
-    peft_model = load_adapter(model, init_adapter, checkpoint, allow_foreign_adapter, trainable=True)
-    peft_model.qrecover_manifest = manifest
-    return peft_model
+    checkpoint = _require_checkpoint(checkpoint)  # the adapter's base: checked once, by load, before it loads
+    return load(checkpoint, cache=cache, adapter=init_adapter, allow_foreign_adapter=allow_foreign_adapter, trainable=True)
 
 
 def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: str | Path,
@@ -362,13 +357,13 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
     if not (Path(init_adapter) / "adapter_config.json").is_file():
         raise QRecoverError(f"--init-adapter {str(init_adapter)!r} is not an adapter directory (no adapter_config.json); "
                             "pass the output directory of `qrecover recover`")
-    check_base(init_adapter, checkpoint, allow_foreign_adapter)
+    check_base(init_adapter, checkpoint, allow_foreign_adapter)  # the one base check of this pair (attach_adapter below does not repeat it)
     try:
         mix = single_source_mix(data)
     except QRecoverError as e:
         raise QRecoverError(f"--data {data!r}: {e}") from None
     with _run_dir(out, overwrite, resume):
-        peft_model = init_feature_model(checkpoint, init_adapter, allow_foreign_adapter, cfg.cache_dequantized)
+        peft_model = attach_adapter(load(checkpoint, cache=cfg.cache_dequantized), init_adapter, trainable=True)
         cfg = RecoverConfig.from_dict({**cfg.to_dict(), "rank": peft_model.peft_config["default"].r})
         if _is_main_process():
             _write_json(out / RUN_FILE, {"status": "training", "checkpoint": str(checkpoint),

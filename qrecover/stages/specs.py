@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import DEFAULT_ENCODINGS  # noqa: F401  (re-exported: the default menu is declared with the config)
 from ..errors import QRecoverError
 from ..schemes import get_quantizer, quantizer_names
 from ..schemes.base import _REGISTRY
@@ -64,9 +65,7 @@ PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64,gptq:4/g64"
 #: cost most (each refit is a least-squares solve per table and a second error-feedback pass); the quick start's menu.
 PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "")
 
-#: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given (until 2026-11-24:
-#: ``afm``, which configurations written then name explicitly as ``scheme``/``bits``; then ``afm-blocks`` for a day).
-DEFAULT_ENCODINGS = "mixed-blocks"
+# DEFAULT_ENCODINGS (the menu when no --encodings, --scheme or --bits is given) is declared in qrecover.config.
 
 _SHORT = {"pc": ("block_size", None), "sym": ("symmetric", True), "asym": ("symmetric", False)}
 _SPEC_RE = re.compile(r"^(?:(?P<tf>[A-Za-z_][\w-]*(?:\+[A-Za-z_][\w-]*)*)\+)?(?P<scheme>[A-Za-z_][\w-]*):(?P<bits>[^/]*)(?P<opts>(?:/[^/]*)*)$")
