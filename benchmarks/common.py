@@ -23,7 +23,7 @@ def domain_windows(tokenizer, n_heldout: int = 8) -> dict:
     """Token windows to score a model on, tokenized once: ``python-docs`` (the README protocol: 32 x 512 tokens of the
     eval split, the calibration domain) and each held-out domain of :data:`qrecover.recovery.heldout.HELD_OUT`
     (``n_heldout`` x 512 tokens)."""
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.recovery.heldout import HELD_OUT, heldout_windows
 
     return {"python-docs": token_windows(tokenizer, "python-docs", "eval", 32, 512),

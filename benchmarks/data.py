@@ -7,7 +7,7 @@
   cost is the teacher's generation, not tokenization; ``--with-selfgen`` keeps them), with and without
   decontamination, ``--workers`` processes; tokens/s and tokens/s per worker process. The tokenizer and the
   decontamination index are loaded first (cached, not timed).
-- **loader**: :class:`qrecover.recovery.shards.ShardLoader` ``.batches(batch, rank, world)`` exactly as the
+- **loader**: :class:`qrecover.data.shards.ShardLoader` ``.batches(batch, rank, world)`` exactly as the
   trainer calls it, ``--steps`` micro-batches of ``batch x seq_len`` per rank (torch int64 tensors ready for
   ``.to(device)``), for 1 rank and for each of ``--world`` ranks' slices (one after another in this process;
   each rank reads only its own sequences). Shards are in the page cache (just written).
@@ -32,12 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from qrecover.data.decontam import build_index  # noqa: E402
+from qrecover.data.mix_recipe import Mix, load_mix  # noqa: E402
+from qrecover.data.prepare import load_tokenizer, prepare_data  # noqa: E402
+from qrecover.data.shards import ShardLoader  # noqa: E402
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 from qrecover.recipes import DEFAULT_MIX, shipped_path  # noqa: E402
-from qrecover.recovery.decontam import build_index  # noqa: E402
-from qrecover.recovery.mix import Mix, load_mix  # noqa: E402
-from qrecover.recovery.prepare import load_tokenizer, prepare_data  # noqa: E402
-from qrecover.recovery.shards import ShardLoader  # noqa: E402
 
 PARAMS = 1e9
 FLOPS_PER_TOKEN = 6 * PARAMS + 2 * PARAMS  # student forward+backward, teacher forward

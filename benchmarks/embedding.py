@@ -48,7 +48,7 @@ def main() -> None:
 
     from benchmarks.common import domain_ppl, domain_windows
     from qrecover.calibrate import gradient_stats
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.models import is_tied, load_model
     from qrecover.stages.candidates import embedding_stats, quantize_unit
     from qrecover.stages.specs import parse_encodings

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from qrecover import api  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
-from qrecover.data import token_windows  # noqa: E402
+from qrecover.data.corpus import token_windows  # noqa: E402
 from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
 from qrecover.models import load_model  # noqa: E402

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qrecover.calibrate import gradient_stats  # noqa: E402
-from qrecover.data import token_windows  # noqa: E402
+from qrecover.data.corpus import token_windows  # noqa: E402
 from qrecover.models import decoder_layers, load_model, module_name  # noqa: E402
 from qrecover.schemes import get_quantizer  # noqa: E402
 from qrecover.sensitivity import linear_damage  # noqa: E402

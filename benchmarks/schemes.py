@@ -13,7 +13,7 @@ its own (``os.wait4`` rusage of the child):
   share qrecover's venv; the row is skipped with a note when it or ``llmcompressor`` is missing) with
   ``--llmc-worker``: ``oneshot`` with GPTQModifier (or AWQModifier + QuantizationModifier) on Linear layers except
   lm_head, int asymmetric groups, calibrated on *qrecover's own* calibration token windows (dumped by this script
-  from ``qrecover.data.token_windows``). The worker saves the dequantized (fake-quantized) linear weights and every
+  from ``qrecover.data.corpus.token_windows``). The worker saves the dequantized (fake-quantized) linear weights and every
   other tensor oneshot changed (AWQ folds its scales into the norms) with safetensors; their perplexity is then
   measured in qrecover's venv on the original model with those tensors loaded (same protocol). Its embedding
   (tied lm_head) stays unquantized, fp32; qrecover's rows keep it at 8-bit per channel, so the same weights are also
@@ -313,7 +313,7 @@ def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path
 def dump_windows(calib_samples: int, path: Path, model_dir: Path = MODEL_DIR) -> None:
     from transformers import AutoTokenizer  # qrecover's venv (see the module docstring)
 
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     tok = AutoTokenizer.from_pretrained(model_dir)
     torch.save(token_windows(tok, "python-docs", "calib", calib_samples, 512), path)
 
@@ -452,7 +452,7 @@ def fold_exact(settings: str, calib_samples: int, model_dir: Path | None = None)
     import copy
     import math
 
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.models import load_model
     from qrecover.stages.specs import parse_encodings
     from qrecover.stages.transform import apply_transforms

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from qrecover import api  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
-from qrecover.data import token_windows  # noqa: E402
+from qrecover.data.corpus import token_windows  # noqa: E402
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -17,14 +17,14 @@ from ._version import __version__
 from .allocate import Choice
 from .checkpoint import FORMAT_VERSION
 from .config import CompressConfig
-from .data import token_windows
+from .data.corpus import token_windows
+from .data.mix import calibration_windows
 from .distributed import SINGLE, join, local_device
 from .errors import QRecoverError
 from .loading import load, load_any  # noqa: F401  (re-exported: qrecover.api is the facade)
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
 from .progress import progress
-from .recovery.mix import calibration_windows
 from .sensitivity import METHOD, linear_damage
 from .stages.allocation import Budget, Infeasible, choose
 from .stages.calibrate import gradients, layer_pass, plan_stats

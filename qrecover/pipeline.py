@@ -55,7 +55,9 @@ from typing import Any
 from ._version import __version__
 from .api import compress, prepare
 from .config import CompressConfig
-from .data import source_files
+from .data.corpus import source_files
+from .data.shards import MANIFEST as PREPARED_MANIFEST
+from .data.shards import is_prepared
 from .errors import QRecoverError
 from .evaluate.config import EvalConfig
 from .evaluate.harness import check_tasks
@@ -66,8 +68,6 @@ from .models import DEFAULT_MODEL, resolve, weights_sha256
 from .recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
 from .recovery.api import recover
 from .recovery.config import RecoverConfig
-from .recovery.shards import MANIFEST as PREPARED_MANIFEST
-from .recovery.shards import is_prepared
 from .reports.render import write_report
 from .reports.results import load_results
 from .reports.table import normalise

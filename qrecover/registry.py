@@ -1,4 +1,5 @@
-"""A registry of plug-in classes by their ``name`` (quantization schemes, model transforms)."""
+"""A registry of plug-in classes by their ``name`` (quantization schemes, model transforms) or another class
+attribute (data-source kinds: ``kind``)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,22 @@ from .errors import QRecoverError
 
 class Registry(dict):
     """``{name: class}`` with registration and one-line errors. ``noun`` names an entry to users ("scheme"),
-    ``kind`` the classes in the duplicate-name error ("quantizer")."""
+    ``kind`` the classes in the duplicate-name error ("quantizer"), ``key`` the class attribute holding the
+    name (default ``name``)."""
 
-    def __init__(self, noun: str, kind: str, items: dict[str, Any] | None = None):
+    def __init__(self, noun: str, kind: str, items: dict[str, Any] | None = None, key: str = "name"):
         super().__init__(items or {})
-        self.noun, self.kind = noun, kind
+        self.noun, self.kind, self.key = noun, kind, key
 
     def copy(self) -> Registry:
-        return Registry(self.noun, self.kind, dict(self))
+        return Registry(self.noun, self.kind, dict(self), self.key)
 
     def register(self, cls: type) -> type:
-        """Class decorator: make ``cls`` available by its ``name`` (registering the same class again is harmless)."""
-        if cls.name in self and self[cls.name] is not cls:
-            raise ValueError(f"a {self.kind} named {cls.name!r} is already registered: {self[cls.name]}")
-        self[cls.name] = cls
+        """Class decorator: make ``cls`` available by its name (registering the same class again is harmless)."""
+        name = getattr(cls, self.key)
+        if name in self and self[name] is not cls:
+            raise ValueError(f"a {self.kind} named {name!r} is already registered: {self[name]}")
+        self[name] = cls
         return cls
 
     def names(self) -> list[str]:

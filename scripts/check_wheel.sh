@@ -75,7 +75,7 @@ EOF
 "$VPY" - <<'EOF'
 import json
 from qrecover.recipes import DEFAULT_MIX, shipped_path
-from qrecover.recovery.mix import load_mix
+from qrecover.data.mix_recipe import load_mix
 meta = json.load(open("adapter/qrecover_adapter.json"))
 report = json.load(open("adapter/data_report.json"))
 names = {s.name for s in load_mix(shipped_path(DEFAULT_MIX)).sources}

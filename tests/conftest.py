@@ -82,7 +82,7 @@ def tiny_prepared(tiny_model_dir):
 @pytest.fixture(scope="session")
 def text_mix(tmp_path_factory) -> Path:
     """A one-source recipe over a few real Python-docs files copied to a private dir (training tests)."""
-    from qrecover.data import documents
+    from qrecover.data.corpus import documents
 
     d = tmp_path_factory.mktemp("texts")
     for i, t in enumerate(documents("python-docs", "train")[:6]):

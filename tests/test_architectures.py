@@ -36,7 +36,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbed
 
 from qrecover.api import compress
 from qrecover.config import CompressConfig
-from qrecover.data import adds_bos, documents, token_stream, token_windows
+from qrecover.data.corpus import adds_bos, documents, token_stream, token_windows
 from qrecover.errors import QRecoverError
 from qrecover.loading import _check_plain_linear, load
 from qrecover.models import default_model_dir

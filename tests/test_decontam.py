@@ -19,9 +19,8 @@ import pytest
 from char_tok import CharTok
 
 from qrecover import benchdata
-from qrecover.errors import QRecoverError
-from qrecover.recovery import decontam as dc
-from qrecover.recovery.decontam import (
+from qrecover.data import decontam as dc
+from qrecover.data.decontam import (
     DecontamSettings,
     EvalSet,
     SourceReport,
@@ -34,12 +33,13 @@ from qrecover.recovery.decontam import (
     remove,
     scan,
 )
+from qrecover.errors import QRecoverError
 
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):
     """Index and plan caches go to a fresh directory for every test."""
-    from qrecover.recovery import mix as mixmod
+    from qrecover.data import mix as mixmod
 
     monkeypatch.setattr(dc, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(mixmod, "cache_dir", lambda: tmp_path / "cache")
@@ -519,7 +519,8 @@ def _stream_text(loader) -> str:
 
 
 def test_mixloader_exclude_drops_planted_documents_and_passages(tmp_path):
-    from qrecover.recovery.mix import Mix, MixLoader
+    from qrecover.data.mix import MixLoader
+    from qrecover.data.mix_recipe import Mix
 
     f = tmp_path / "eval.jsonl"
     f.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in ITEMS.items()))
@@ -571,7 +572,8 @@ def test_mixloader_exclude_drops_planted_documents_and_passages(tmp_path):
 
 
 def test_mixloader_exclude_chat_jsonl_dropped_whole(tmp_path):
-    from qrecover.recovery.mix import Mix, MixLoader
+    from qrecover.data.mix import MixLoader
+    from qrecover.data.mix_recipe import Mix
 
     index = build_index([eval_set("bench", ITEMS)], use_cache=False)
     rows = [{"text": "clean text row number one"},

@@ -44,7 +44,7 @@ RUN = dict(rank=4, tokens=SEQ * GLOBAL * STEPS, seq_len=SEQ, objective="mix", lr
 @pytest.fixture(scope="module")
 def chat_text_mix(tmp_path_factory) -> Path:
     """Half plain text (every token has a label), half chats (only assistant tokens have one)."""
-    from qrecover.data import documents
+    from qrecover.data.corpus import documents
 
     d = tmp_path_factory.mktemp("dist-mix")
     for i, t in enumerate(documents("python-docs", "train")[:4]):
@@ -265,7 +265,7 @@ def test_two_processes_on_prepared_shards_give_the_adapter_of_one(tiny_ckpt, cha
     """The same on data from ``qrecover data prepare``: each process reads only its sequences (``batches``)."""
     from transformers import AutoTokenizer
 
-    from qrecover.recovery.prepare import prepare_data
+    from qrecover.data.prepare import prepare_data
 
     data = tmp_path / "shards"
     prepare_data(chat_text_mix, data, tokenizer=AutoTokenizer.from_pretrained(tiny_ckpt), workers=1, decontaminate=False,

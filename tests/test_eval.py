@@ -138,7 +138,7 @@ def test_ppl_unchanged_by_the_kl_probe(quantized, tiny_ckpt):
 
 
 def test_kl_zero_with_itself_positive_perturbed(tiny_model_dir):
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.loading import load_any
 
     model, tok, _ = load_any(str(tiny_model_dir))

@@ -67,7 +67,7 @@ def test_head_lora_adds_the_low_rank_term_to_the_logits_only(tiny_ckpt):
 
 
 def test_head_lora_svd_init_removes_head_error(tiny_ckpt, tiny_model_dir):
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.models import load_model
 
     teacher, tok, _ = load_model(str(tiny_model_dir))

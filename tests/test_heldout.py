@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from qrecover import benchdata
 from qrecover.api import perplexity
-from qrecover.data import token_windows
+from qrecover.data.corpus import token_windows
 from qrecover.errors import QRecoverError
 from qrecover.models import default_model_dir
 from qrecover.recovery import heldout

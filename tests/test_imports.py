@@ -102,7 +102,7 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 def test_graph_is_read():
     g = graph()
     assert "qrecover.api" in g and "qrecover.models" in g["qrecover.api"]
-    assert "qrecover.recovery.mix" in g and "qrecover.errors" in g["qrecover.recovery.mix"]
+    assert "qrecover.data.mix" in g and "qrecover.errors" in g["qrecover.data.mix"]
 
 
 def test_no_import_cycles():

@@ -8,6 +8,7 @@ characters is exactly L + 1 tokens and the expected numbers can be written down 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,17 +16,21 @@ import pytest
 import torch
 from char_tok import EOS, CharTok
 
+from qrecover.data import mix as mixmod
+from qrecover.data.chat import IGNORE, encode_chat
+from qrecover.data.documents import text_docs
+from qrecover.data.mix import MixLoader, apportion
+from qrecover.data.mix_recipe import Mix, load_mix, single_source_mix
+from qrecover.data.source import SOURCES
+from qrecover.data.sources import BuiltinSource
 from qrecover.errors import QRecoverError
-from qrecover.recovery import mix as mixmod
-from qrecover.recovery.chat import IGNORE, encode_chat
-from qrecover.recovery.mix import Mix, MixLoader, Source, apportion, load_mix, single_source_mix
 
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):
     """Plan and index caches go to a fresh directory (the model cache stays the user's)."""
     monkeypatch.setattr(mixmod, "cache_dir", lambda: tmp_path / "cache")
-    import qrecover.recovery.decontam as dc
+    import qrecover.data.decontam as dc
 
     monkeypatch.setattr(dc, "cache_dir", lambda: tmp_path / "cache")
 
@@ -74,10 +79,11 @@ def test_recipe_round_trip_and_fractions(tiny_sources):
     back = Mix.from_toml(path)
     assert back == m and back.to_dict() == m.to_dict()
     assert Mix.from_dict(m.to_dict(), base_dir=tiny_sources) == m
-    # every field is documented where it is declared
-    import dataclasses
-
-    assert all(f.metadata.get("help") for f in dataclasses.fields(Source))
+    # each kind is a registered class, every key documented where it is declared
+    assert list(SOURCES) == ["text", "jsonl", "parquet", "hf", "builtin", "selfgen"]
+    for kind, cls in SOURCES.items():
+        assert cls().kind == kind and cls.keys()[:3] == ("name", "kind", "weight")
+        assert all(f.metadata.get("help") for f in dataclasses.fields(cls)), kind
 
 
 def test_default_mix_loads():
@@ -316,20 +322,20 @@ def test_resume_rejects_other_settings(tiny_sources):
 
 
 def test_builtin_reads_only_the_train_split():
-    from qrecover.data import PYTHON_DOCS, SPLITS, _bucket
+    from qrecover.data.corpus import PYTHON_DOCS, SPLITS, _bucket
 
-    loader = MixLoader(Mix([Source(name="d", kind="builtin", weight=1.0, max_documents=5)]), CharTok(), seq_len=64,
+    loader = MixLoader(Mix([BuiltinSource(name="d", weight=1.0, max_documents=5)]), CharTok(), seq_len=64,
                        total_tokens=64, show_progress=False)
     docs = loader._cursors["d"].docs
-    all_docs = mixmod.text_docs("python-docs")
-    assert len(all_docs) > len(mixmod.text_docs("python-docs", "train")) > 0
+    all_docs = text_docs("python-docs")
+    assert len(all_docs) > len(text_docs("python-docs", "train")) > 0
     for i in range(len(docs)):
         assert _bucket(docs.doc_id(i))[0] in SPLITS["train"]
         assert (PYTHON_DOCS / docs.doc_id(i)).is_file()
 
 
 def test_text_split_matches_qrecover_data(tmp_path):
-    from qrecover.data import documents
+    from qrecover.data.corpus import documents
 
     for i in range(40):
         _write(tmp_path / "t" / f"doc{i}.txt", f"document number {i}")
@@ -462,8 +468,8 @@ def test_calibration_windows_from_a_mix(tmp_path, tiny_model_dir):
     the calib split."""
     from transformers import AutoTokenizer
 
-    from qrecover.data import token_windows
-    from qrecover.recovery.mix import calibration_windows, is_mix
+    from qrecover.data.corpus import token_windows
+    from qrecover.data.mix import calibration_windows, is_mix
 
     recipe = _two_source_recipe(tmp_path)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -20,11 +20,11 @@ import pytest
 from cli_helpers import run as cli
 
 import qrecover
+from qrecover.data.mix_recipe import load_mix
 from qrecover.errors import QRecoverError
 from qrecover.pipeline import find_recipe, load_recipe, make_plan
 from qrecover.recipes import DEFAULT_MIX, is_shipped, shipped_names, shipped_path
 from qrecover.recovery.api import default_mix_path
-from qrecover.recovery.mix import load_mix
 
 PACKAGE = Path(qrecover.__file__).resolve().parent
 REPO = PACKAGE.parent

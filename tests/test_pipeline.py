@@ -68,7 +68,7 @@ def set_recipe(d: Path, model: Path, **kw) -> Path:
 @pytest.fixture(scope="module")
 def first(tiny_model_dir, tmp_path_factory):
     """One complete run: ``(experiment dir, summary, hook events)``."""
-    from qrecover.data import documents
+    from qrecover.data.corpus import documents
 
     d = tmp_path_factory.mktemp("pipe") / "exp"
     (d / "texts").mkdir(parents=True)
@@ -300,7 +300,7 @@ def test_only_runs_the_named_stages_and_publishes_when_all_are_done(exp, tiny_mo
 
 def test_recover_mix_may_name_a_prepared_data_directory_keyed_by_its_manifest(exp, tiny_model_dir):
     """``[recover] mix = "prepared"`` (a `qrecover data prepare` output) runs, and its key follows the manifest."""
-    from qrecover.recovery.prepare import prepare_data
+    from qrecover.data.prepare import prepare_data
 
     prepare_data(exp / "mix.toml", exp / "prepared", model=str(tiny_model_dir), workers=1, decontaminate=False)
     (exp / "recipe.toml").write_text((exp / "recipe.toml").read_text().replace('mix = "mix.toml"', 'mix = "prepared"'))

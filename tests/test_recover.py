@@ -98,7 +98,7 @@ def test_lowrank_correction_is_exact_for_low_rank_errors_and_optimal_in_the_inpu
 
 
 def test_svd_init_moves_the_quantized_model_towards_the_original(tiny_ckpt, tiny_model_dir):
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.models import load_model
 
     teacher, tok, _ = load_model(str(tiny_model_dir))

@@ -1,4 +1,4 @@
-"""Self-generated post-training data (qrecover.recovery.selfgen): seed topics from the train split only, the
+"""Self-generated post-training data (qrecover.data.selfgen): seed topics from the train split only, the
 prompt plan, batched generation mapped back to its prompts, truncation marks, determinism, the cache keyed by
 the model's weights and the settings, atomic writes, argument errors, and the 'selfgen' mix source end to end.
 
@@ -21,19 +21,20 @@ import pytest
 import torch
 from conftest import TINY_CONFIG
 
-from qrecover.data import SPLITS, _bucket, documents
+from qrecover.data import mix as mixmod
+from qrecover.data import selfgen
+from qrecover.data.chat import IGNORE, encode_chat
+from qrecover.data.corpus import SPLITS, _bucket, documents
+from qrecover.data.mix import MixLoader
+from qrecover.data.mix_recipe import Mix
+from qrecover.data.selfgen import GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data, seed_topics
 from qrecover.errors import QRecoverError
-from qrecover.recovery import mix as mixmod
-from qrecover.recovery import selfgen
-from qrecover.recovery.chat import IGNORE, encode_chat
-from qrecover.recovery.mix import Mix, MixLoader
-from qrecover.recovery.selfgen import GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data, seed_topics
 
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):
     """Every cache these tests could touch goes to a fresh directory (the model cache stays the user's)."""
-    import qrecover.recovery.decontam as dc
+    import qrecover.data.decontam as dc
 
     for mod in (selfgen, mixmod, dc):
         monkeypatch.setattr(mod, "cache_dir", lambda: tmp_path / "cache")

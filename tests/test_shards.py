@@ -15,14 +15,15 @@ import torch
 from char_tok import CharTok
 from cli_helpers import run
 
+from qrecover.data import mix as mixmod
+from qrecover.data import prepare as prepmod
+from qrecover.data.chat import IGNORE
+from qrecover.data.decontam import EvalSet, build_index
+from qrecover.data.mix import MixLoader, encode_document
+from qrecover.data.mix_recipe import load_mix
+from qrecover.data.prepare import prepare_data
+from qrecover.data.shards import ShardLoader, read_manifest
 from qrecover.errors import QRecoverError
-from qrecover.recovery import mix as mixmod
-from qrecover.recovery import prepare as prepmod
-from qrecover.recovery.chat import IGNORE
-from qrecover.recovery.decontam import EvalSet, build_index
-from qrecover.recovery.mix import MixLoader, encode_document, load_mix
-from qrecover.recovery.prepare import prepare_data
-from qrecover.recovery.shards import ShardLoader, read_manifest
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
@@ -31,7 +32,7 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 def _tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # error messages on one console line
     monkeypatch.setattr(mixmod, "cache_dir", lambda: tmp_path / "cache")
-    import qrecover.recovery.decontam as dc
+    import qrecover.data.decontam as dc
 
     monkeypatch.setattr(dc, "cache_dir", lambda: tmp_path / "cache")
 

@@ -123,7 +123,7 @@ def _previous_init(peft_model, teacher, windows, damp=0.01):
 
 
 def test_init_layer_by_layer_equals_the_former_all_at_once_init(tiny_ckpt, tiny_model_dir):
-    from qrecover.data import token_windows
+    from qrecover.data.corpus import token_windows
     from qrecover.models import load_model
 
     teacher, tok, _ = load_model(str(tiny_model_dir))

@@ -42,9 +42,9 @@ def prepare(
     json_out: bool = JsonOpt,
 ) -> None:
     """Tokenize each source of MIX once (decontaminated, chat loss masks included) into sharded token files."""
+    from ..data.prepare import prepare_data
     from ..errors import QRecoverError
     from ..recovery.api import read_mix
-    from ..recovery.prepare import prepare_data
 
     if not mix.is_file():
         raise QRecoverError(f"mix {str(mix)!r} does not exist; pass a data-mix TOML with [[source]] tables "

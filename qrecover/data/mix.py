@@ -1,8 +1,7 @@
-"""The training data mixture: a recipe of weighted sources, and a streaming loader that packs them.
+"""The training data mixture: a streaming loader that packs a recipe's weighted sources into sequences.
 
-**Recipe** (TOML, :class:`Mix` / :class:`Source`): a list of ``[[source]]`` tables, each a name, a kind and a
-token weight. Weights are normalised to fractions of the run's token budget (phi-4 §3.2: "fraction of
-training" per source). Kinds and their keys are in :data:`KIND_KEYS`; ``path`` is relative to the recipe.
+**Recipe** (TOML, :class:`.mix_recipe.Mix`): a list of ``[[source]]`` tables, each a name, a kind (a registered
+class of :mod:`.sources`) and a token weight, normalised to fractions of the run's token budget.
 
 **Loader** (:class:`MixLoader`): yields ``{"input_ids": (seq_len,) int64, "labels": (seq_len,) int64, "source":
 name}``. Every sequence is ``seq_len`` tokens of *one* source, packed from consecutive documents (EOS after
@@ -35,237 +34,30 @@ offsets of jsonl files, paragraph offsets of a single text file, parquet row gro
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..data import SPLITS, source_files, token_windows
 from ..errors import QRecoverError
-from ..fields import doc_field
-from ..io_utils import cache_dir, read_toml, sha256_file, toml_value, write_text_atomic
+from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..progress import steps
+from ..recipes import shipped_names, shipped_path
 from .chat import IGNORE, encode_chat
+from .corpus import token_windows
 from .decontam import SourceReport, Verdict, build_index, check_document, remove
-from .documents import (
-    _Docs,
-    _HFDocs,
-    _JsonlDocs,
-    _Limited,
-    _list_files,
-    _ParquetDocs,
-    _resolve,
-    split_files,
-    text_docs,
-)
-from .selfgen import generate_chat_data
+from .documents import Docs, StreamDocs
+from .mix_recipe import Mix, load_mix
+from .source import OpenContext, Source
 
-KINDS = ("text", "jsonl", "parquet", "hf", "builtin", "selfgen")
-COMMON_KEYS = ("name", "kind", "weight")
-KIND_KEYS: dict[str, tuple[str, ...]] = {
-    "text": ("path", "split", "max_documents"),
-    "jsonl": ("path", "field", "messages_field", "max_documents"),
-    "parquet": ("path", "field", "messages_field", "max_documents"),
-    "hf": ("dataset", "config", "split", "data_files", "revision", "field", "messages_field", "max_documents", "shuffle_buffer"),
-    "builtin": ("split", "max_documents"),
-    "selfgen": ("samples", "max_new_tokens", "temperature", "top_p", "seed", "model", "batch_size", "prompt_mode", "topics"),
-}
 PLAN_VERSION = 1
 STATE_VERSION = 1
-
-
-@dataclass
-class Source:
-    """One data source of a mix; which keys apply depends on ``kind`` (:data:`KIND_KEYS`)."""
-
-    name: str = doc_field(None, "unique name; it labels the source's sequences and report rows")
-    kind: str = doc_field(None, "text | jsonl | parquet | hf | builtin | selfgen")
-    weight: float = doc_field(None, "share of the training tokens (normalised over the sources; >= 0)")
-    path: str | None = doc_field(None, "text/jsonl/parquet: a file, a directory or a glob (relative to the recipe file)")
-    split: str | None = doc_field(None, "text: one of eval/calib/train (the path-hash split of qrecover.data; None = every file); "
-                                        "builtin: the same (default 'train'); hf: the dataset split (default 'train')")
-    field: str = doc_field("text", "jsonl/parquet/hf: the field holding a document's text")
-    messages_field: str = doc_field("messages", "jsonl/parquet/hf: the field holding a chat (list of {role, content}); it wins over `field` when "
-                                                "present")
-    dataset: str | None = doc_field(None, "hf: dataset name on the Hub (or a local builder such as 'json' with data_files)")
-    config: str | None = doc_field(None, "hf: dataset configuration name")
-    data_files: str | None = doc_field(None, "hf: data files for a builder dataset ('json', 'parquet', ...)")
-    revision: str | None = doc_field(None, "hf: dataset revision (pin it for reproducible runs)")
-    max_documents: int | None = doc_field(None, "use only the first N documents (in the source's fixed order)")
-    shuffle_buffer: int = doc_field(10_000, "hf: shuffle buffer of the streaming dataset")
-    samples: int = doc_field(256, "selfgen: conversations to generate")
-    max_new_tokens: int = doc_field(192, "selfgen: answer length cap (answers cut there are marked truncated)")
-    temperature: float = doc_field(0.0, "selfgen: 0 = greedy decoding; > 0 = seeded sampling")
-    top_p: float = doc_field(1.0, "selfgen: nucleus sampling mass (with temperature > 0)")
-    seed: int = doc_field(0, "selfgen: seed of the topic order and of sampling")
-    model: str | None = doc_field(None, "selfgen: the instruct model that writes the data (None = the loader's `model`, else the built-in default)")
-    batch_size: int = doc_field(16, "selfgen: prompts generated together")
-    prompt_mode: str = doc_field("template", "selfgen: 'template' (instruction templates filled with topics) or 'model' (the model writes the "
-                                             "requests)")
-    topics: str = doc_field("python-docs", "selfgen: where request topics come from: a text source's train-split section titles "
-                                           "('python-docs' = the built-in docs), or 'general' = built-in everyday subjects with "
-                                           "writing tasks (stories, poems, letters, ...)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The keys that apply to this kind, None values left out."""
-        keys = COMMON_KEYS + KIND_KEYS.get(self.kind, ())
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "name": (str,), "kind": (str,), "weight": (int, float), "path": (str,), "split": (str,), "field": (str,),
-    "messages_field": (str,), "dataset": (str,), "config": (str,), "data_files": (str,), "revision": (str,),
-    "max_documents": (int,), "shuffle_buffer": (int,), "samples": (int,), "max_new_tokens": (int,),
-    "temperature": (int, float), "top_p": (int, float), "seed": (int,), "model": (str,), "batch_size": (int,),
-    "prompt_mode": (str,), "topics": (str,),
-}
-
-
-def _source_from_dict(d: Any, i: int) -> Source:
-    where = f"source #{i + 1}"
-    if not isinstance(d, dict):
-        raise QRecoverError(f"{where} must be a table ([[source]] with name, kind, weight), got {d!r:.80}")
-    for k in COMMON_KEYS:
-        if k not in d:
-            raise QRecoverError(f"{where} ({d.get('name', 'unnamed')!r}) lacks the key {k!r}; every source needs name, kind and weight")
-    where = f"source {d['name']!r}"
-    if d["kind"] not in KINDS:
-        raise QRecoverError(f"{where}: unknown kind {d['kind']!r}; choose from {list(KINDS)}")
-    allowed = COMMON_KEYS + KIND_KEYS[d["kind"]]
-    for k, v in d.items():
-        if k not in allowed:
-            raise QRecoverError(f"{where} (kind {d['kind']!r}): unknown key {k!r}; allowed keys: {', '.join(allowed)}")
-        if isinstance(v, bool) or not isinstance(v, _TYPES[k]):
-            want = " or ".join(t.__name__ for t in _TYPES[k])
-            raise QRecoverError(f"{where}: {k} = {v!r} must be a {want}")
-    src = Source(**d)
-    src.weight = float(src.weight)
-    if not math.isfinite(src.weight) or src.weight < 0:
-        raise QRecoverError(f"{where}: weight = {d['weight']!r} must be a finite number >= 0")
-    if not src.name.strip():
-        raise QRecoverError(f"source #{i + 1}: name must not be empty")
-    if src.kind in ("text", "jsonl", "parquet") and not src.path:
-        raise QRecoverError(f"{where} (kind {src.kind!r}) needs a path: a file, a directory or a glob")
-    if src.kind in ("text", "builtin") and src.split is not None and src.split not in SPLITS:
-        default = "every file" if src.kind == "text" else "the train split"
-        raise QRecoverError(f"{where}: split = {src.split!r} must be one of {list(SPLITS)} (or left out for {default})")
-    if src.kind == "hf" and not src.dataset:
-        raise QRecoverError(f"{where} (kind 'hf') needs dataset = \"owner/name\" (and optionally config, split, revision)")
-    for k in ("max_documents", "shuffle_buffer", "samples", "max_new_tokens", "batch_size"):
-        if k in d and d[k] <= 0:
-            raise QRecoverError(f"{where}: {k} = {d[k]} must be a positive integer")
-    if src.kind == "selfgen" and src.prompt_mode not in ("template", "model"):
-        raise QRecoverError(f"{where}: prompt_mode = {src.prompt_mode!r} must be 'template' or 'model'")
-    if src.kind == "selfgen" and not (src.temperature >= 0 and 0 < src.top_p <= 1):
-        raise QRecoverError(f"{where}: temperature = {src.temperature} must be >= 0 and top_p = {src.top_p} in (0, 1]")
-    return src
-
-
-@dataclass
-class Mix:
-    """A data-mix recipe: weighted sources. ``base_dir`` (not saved) resolves relative paths."""
-
-    sources: list[Source] = doc_field(None, "the sources, in recipe order (ties in scheduling go to the earlier one)")
-    description: str = doc_field("", "free text: what this mix is for")
-    base_dir: str | None = dataclasses.field(default=None, repr=False, compare=False,
-                                              metadata={"help": "directory that relative paths are resolved against (the recipe's)"})
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, check_paths: bool = True) -> None:
-        """Raise QRecoverError on duplicate names, weights that do not sum to a positive value, missing files."""
-        if not self.sources:
-            raise QRecoverError("the mix has no sources; add at least one [[source]] table with name, kind and weight")
-        names = [s.name for s in self.sources]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise QRecoverError(f"source names must be unique; {dup} appear more than once")
-        total = sum(s.weight for s in self.sources)
-        if not total > 0:
-            raise QRecoverError(f"the source weights {dict(zip(names, [s.weight for s in self.sources]))} sum to {total}; "
-                                "give at least one source a positive weight")
-        if check_paths:
-            for s in self.sources:
-                if s.kind in ("text", "jsonl", "parquet"):
-                    _list_files(s, self.base_dir)
-                elif s.kind == "builtin":
-                    source_files("python-docs")
-                elif s.kind == "selfgen":
-                    if s.model is not None and not Path(s.model).expanduser().exists():
-                        raise QRecoverError(f"source {s.name!r}: model = {s.model!r} does not exist; name an HF model "
-                                            "directory or a .gguf file, or leave model out for the unquantized model")
-                    if s.topics != "general":
-                        try:
-                            source_files(s.topics)
-                        except QRecoverError as e:
-                            raise QRecoverError(f"source {s.name!r}: topics = {s.topics!r}: {e}; or topics = "
-                                                "\"general\" for the built-in everyday subjects") from None
-
-    def fractions(self) -> dict[str, float]:
-        """Each source's share of the training tokens: weight / sum of weights."""
-        total = sum(s.weight for s in self.sources)
-        return {s.name: s.weight / total for s in self.sources}
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"description": self.description} if self.description else {}
-        return {**d, "source": [s.to_dict() for s in self.sources]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], base_dir: str | os.PathLike | None = None) -> Mix:
-        if not isinstance(d, dict):
-            raise QRecoverError(f"a mix is a table with [[source]] entries, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"description", "source"})
-        if unknown:
-            raise QRecoverError(f"unknown top-level key(s) {unknown} in the mix; allowed keys: description, source")
-        sources = d.get("source")
-        if not isinstance(sources, list) or not sources:
-            raise QRecoverError("the mix has no sources; add at least one [[source]] table with name, kind and weight")
-        if not isinstance(d.get("description", ""), str):
-            raise QRecoverError(f"description = {d['description']!r} must be a string")
-        return cls([_source_from_dict(s, i) for i, s in enumerate(sources)], d.get("description", ""),
-                   str(base_dir) if base_dir is not None else None)
-
-    def to_toml(self) -> str:
-        lines = [f"description = {toml_value(self.description)}", ""] if self.description else []
-        for s in self.sources:
-            lines.append("[[source]]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in s.to_dict().items()]
-            lines.append("")
-        return "\n".join(lines)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return write_text_atomic(path, self.to_toml())
-
-    @classmethod
-    def from_toml(cls, path: str | os.PathLike) -> Mix:
-        path = Path(path).expanduser()
-        d = read_toml(path, "mix recipe", "; pass a TOML file with [[source]] tables")
-        return cls.from_dict(d, base_dir=path.resolve().parent)
-
-
-def load_mix(recipe: str | os.PathLike | Mix) -> Mix:
-    """A :class:`Mix` from a TOML path (or a Mix, returned as is)."""
-    return recipe if isinstance(recipe, Mix) else Mix.from_toml(recipe)
-
-
-def single_source_mix(data: str, name: str = "data") -> Mix:
-    """A one-source mix for ``data``: 'python-docs' (built in), a .jsonl/.parquet file (or a directory or glob
-    of them), or text files. Relative paths are relative to the working directory."""
-    if data == "python-docs":
-        return Mix([Source(name=name, kind="builtin", weight=1.0)])
-    p = Path(data).expanduser()
-    suffixes = {f.suffix for f in p.rglob("*") if f.is_file()} if p.is_dir() else {Path(data).suffix}
-    kind = "jsonl" if suffixes == {".jsonl"} else "parquet" if suffixes == {".parquet"} else "text"
-    return Mix([Source(name=name, kind=kind, weight=1.0, path=data)], base_dir=os.getcwd())
 
 
 # --- tokenization ---------------------------------------------------------------------------------------
@@ -312,14 +104,14 @@ class _Cursor:
         self.seed = _name_seed(loader.seed, src.name)
         self.epoch = self.pos = self.offset = 0
         self.sequences = self.tokens = self.loss_tokens = self.documents = 0
-        self._docs: _Docs | _HFDocs | None = None
+        self._docs: Docs | StreamDocs | None = None
         self._order: tuple[int, np.ndarray] | None = None
         self._hf_iter: tuple[int, int, Iterator] | None = None  # (epoch, next position, iterator)
         self._cur: tuple[list[int], list[int]] | None = None
         self.live_report = None  # decontamination verdicts of streamed (hf) documents
 
     @property
-    def docs(self) -> _Docs | _HFDocs:
+    def docs(self) -> Docs | StreamDocs:
         if self._docs is None:
             self._docs = self.loader._open_docs(self.src)
         return self._docs
@@ -335,7 +127,7 @@ class _Cursor:
     def _doc_at(self, epoch: int, pos: int) -> tuple[Any, Any] | None:
         """``(base index or id, document)`` at ``pos`` of ``epoch``'s order, None past the end."""
         docs = self.docs
-        if isinstance(docs, _HFDocs):
+        if isinstance(docs, StreamDocs):
             if self._hf_iter is None or self._hf_iter[:2] != (epoch, pos):
                 self._hf_iter = (epoch, pos, docs.epoch(epoch, self.seed, pos))
             doc = next(self._hf_iter[2], None)
@@ -451,7 +243,7 @@ class MixLoader:
         if self.index is None:
             return doc
 
-        if isinstance(cursor.docs, _HFDocs):  # no stable ids: check as it streams
+        if isinstance(cursor.docs, StreamDocs):  # no stable ids: check as it streams
             findings = check_document(self.index, doc)
             kept = remove(doc, findings)
             if cursor.epoch == 0:
@@ -466,41 +258,15 @@ class MixLoader:
 
     # --- sources ----------------------------------------------------------------------------------------
 
-    def _open_docs(self, src: Source) -> _Docs | _HFDocs:
-        if src.kind == "hf":
-            return _HFDocs(src)
-        if src.kind == "builtin":
-            docs: _Docs = text_docs("python-docs", src.split or "train")
-        elif src.kind == "text":
-            _list_files(src, self.mix.base_dir)
-            docs = text_docs(_resolve(src.path, self.mix.base_dir), src.split)
-        elif src.kind == "jsonl":
-            docs = _JsonlDocs(_list_files(src, self.mix.base_dir), src)
-        elif src.kind == "parquet":
-            docs = _ParquetDocs(_list_files(src, self.mix.base_dir), src)
-        elif src.kind == "selfgen":
-
-            model = src.model or self.model
-            path = generate_chat_data(model, self.tokenizer if model is not None and not isinstance(model, (str, os.PathLike)) else None,
-                                      n=src.samples, seed=src.seed, max_new_tokens=src.max_new_tokens,
-                                      temperature=src.temperature, top_p=src.top_p, batch_size=src.batch_size,
-                                      prompt_mode=src.prompt_mode, topics_source=src.topics,
-                                      show_progress=self.show_progress)
-            docs = _JsonlDocs([path], Source(name=src.name, kind="jsonl", weight=src.weight, path=str(path)))
-        else:  # pragma: no cover - validated in _source_from_dict
-            raise QRecoverError(f"unknown kind {src.kind!r}")
-        if src.max_documents and src.kind != "hf":
-            docs = _Limited(docs, src.max_documents)
-        return docs
+    def _open_docs(self, src: Source) -> Docs | StreamDocs:
+        return src.open(OpenContext(self.mix.base_dir, self.tokenizer, self.model, self.show_progress))
 
     # --- plan -------------------------------------------------------------------------------------------
 
-    def _scan_key(self, src: Source, docs: _Docs) -> str:
+    def _scan_key(self, src: Source, docs: Docs) -> str:
         if self._tok_fp is None:
             self._tok_fp = tokenizer_fingerprint(self.tokenizer)
-        h = hashlib.sha256(json.dumps({"v": PLAN_VERSION, "kind": src.kind, "field": src.field,
-                                       "messages_field": src.messages_field, "split": src.split,
-                                       "max_documents": src.max_documents, "n": len(docs)}, sort_keys=True).encode())
+        h = hashlib.sha256(json.dumps({"v": PLAN_VERSION, **src.plan_key(), "n": len(docs)}, sort_keys=True).encode())
         for f in docs.files:
             h.update(str(f.name).encode())
             h.update(sha256_file(f).encode())
@@ -511,12 +277,12 @@ class MixLoader:
     def _scan(self, src: Source) -> dict[str, Any]:
         """One streaming pass over a source: documents, unique tokens (= one epoch), decontamination verdicts."""
         docs = self._cursors[src.name].docs
-        if isinstance(docs, _HFDocs) and not src.max_documents:
+        if isinstance(docs, StreamDocs) and not src.max_documents:
             return {"documents": None, "unique_tokens": None, "unique_loss_tokens": None, "decontamination": None,
                     "_cuts": {}, "note": "streaming dataset without max_documents: not counted; decontaminated as it streams"}
 
         key = None
-        if not isinstance(docs, _HFDocs):
+        if not isinstance(docs, StreamDocs):
             key = self._scan_key(src, docs)
             path = cache_dir() / "mix-plan" / f"{key[:32]}.json"
             if path.is_file():
@@ -528,10 +294,10 @@ class MixLoader:
         report = SourceReport(src.name) if self.index is not None else None
         n_docs = tokens = loss = 0
         cuts: dict[int, list[list[int]] | None] = {}
-        items = docs.scan() if isinstance(docs, _HFDocs) else ((i, docs.get(i)) for i in range(len(docs)))
-        with steps(self.show_progress, f"scan {src.name}", None if isinstance(docs, _HFDocs) else len(docs)) as advance:
+        items = docs.scan() if isinstance(docs, StreamDocs) else ((i, docs.get(i)) for i in range(len(docs)))
+        with steps(self.show_progress, f"scan {src.name}", None if isinstance(docs, StreamDocs) else len(docs)) as advance:
             for i, doc in items:
-                doc_id = i if isinstance(docs, _HFDocs) else docs.doc_id(i)
+                doc_id = i if isinstance(docs, StreamDocs) else docs.doc_id(i)
                 if report is not None:
                     findings = check_document(self.index, doc)
                     kept = remove(doc, findings)
@@ -678,7 +444,7 @@ class MixLoader:
 
     def close(self) -> None:
         for c in self._cursors.values():
-            if isinstance(c._docs, _Docs):
+            if isinstance(c._docs, Docs):
                 c._docs.close()
 
 
@@ -689,26 +455,22 @@ def is_mix(source: str) -> bool:
         return True
     if Path(source).exists():
         return False
-    from ..recipes import shipped_names
-
     return str(source).endswith("-mix") and str(source) in shipped_names()
 
 
 def calibration_windows(tokenizer, source: str, n: int, seq_len: int, model: Any = None,
                         show_progress: bool = False) -> torch.Tensor:
     """``(n, seq_len)`` calibration windows of ``source``: a text source's ``calib`` split
-    (:func:`qrecover.data.token_windows`), or the first ``n`` packed sequences of a data-mix recipe
+    (:func:`qrecover.data.corpus.token_windows`), or the first ``n`` packed sequences of a data-mix recipe
     (this module's :class:`MixLoader`: each source in its token share, chats with their template, decontaminated
     against the evaluation sets). ``model``: the unquantized model (spec or module) that writes a recipe's
     ``selfgen`` chats (cached by its weights; None = the built-in default)."""
     if not is_mix(source):
         return token_windows(tokenizer, source, "calib", n, seq_len)
-    from ..recipes import shipped_path
-
     recipe = source if str(source).endswith(".toml") else shipped_path(source)
     loader = MixLoader(recipe, tokenizer, seq_len, n * seq_len, decontaminate=True, model=model, show_progress=show_progress)
     return torch.stack([s["input_ids"] for s in loader])
 
 
-__all__ = ["KINDS", "KIND_KEYS", "Source", "Mix", "load_mix", "single_source_mix", "MixLoader", "apportion",
-           "encode_document", "text_docs", "split_files", "tokenizer_fingerprint", "is_mix", "calibration_windows"]
+__all__ = ["MixLoader", "apportion",
+           "encode_document", "tokenizer_fingerprint", "is_mix", "calibration_windows"]

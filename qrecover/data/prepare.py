@@ -39,8 +39,9 @@ from ..io_utils import atomic_dir, sha256_file, write_text_atomic
 from ..models import resolve
 from ..progress import steps
 from .decontam import SourceReport, check_document, remove
-from .documents import _HFDocs
-from .mix import Mix, MixLoader, encode_document, load_mix, tokenizer_fingerprint
+from .documents import StreamDocs
+from .mix import MixLoader, encode_document, tokenizer_fingerprint
+from .mix_recipe import Mix, load_mix
 from .shards import FORMAT, FORMAT_VERSION, MANIFEST, data_id, source_dir_name
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16 ids per shard
@@ -107,7 +108,7 @@ def _encode_chunk(task: tuple[int, int, int, list | None]) -> dict[str, Any]:
 
 
 def _tasks(si: int, docs: Any) -> Iterator[tuple[int, int, int, list | None]]:
-    if isinstance(docs, _HFDocs):  # no random access: the parent streams, workers tokenize
+    if isinstance(docs, StreamDocs):  # no random access: the parent streams, workers tokenize
         batch: list = []
         for doc_id, doc in docs.scan():
             batch.append((doc_id, doc))
@@ -192,7 +193,7 @@ def _open_sources(mix: Mix, loader: MixLoader, tokens: int | None) -> dict[int, 
         if src.weight <= 0:
             continue
         docs = loader._open_docs(src)
-        if isinstance(docs, _HFDocs):
+        if isinstance(docs, StreamDocs):
             if not src.max_documents and tokens is None:
                 raise QRecoverError(f"source {src.name!r} (kind 'hf') streams {src.dataset!r} without an end; pass --tokens N "
                                     "(each source's share of N) or set max_documents in the source")
@@ -300,7 +301,7 @@ def _prepare_source(root: Path, si: int, name: str, docs: Any, pool: Any, worker
     report = SourceReport(name) if index is not None else None
     read = docs_kept = 0
     stopped = False  # by the token cap, with documents left
-    total = None if isinstance(docs, _HFDocs) else len(docs)
+    total = None if isinstance(docs, StreamDocs) else len(docs)
     with steps(show_progress, f"tokenize {name}", total) as advance:
         results = _ordered(pool, _tasks(si, docs), 4 * workers)
         for res in results:

@@ -6,7 +6,7 @@ decided by a hash of its path: ``eval`` (10%), ``calib`` (10%), ``train`` (80%).
 split are ordered by that hash too, so any prefix is a deterministic, topic-diverse sample.
 
 A source can also be a directory, a file or a glob of text files (``--calib-data``); those are split
-the same way. Calibration can also read a data-mix recipe (:func:`qrecover.recovery.mix.calibration_windows`).
+the same way. Calibration can also read a data-mix recipe (:func:`qrecover.data.mix.calibration_windows`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import QRecoverError
+from ..errors import QRecoverError
 
 PYTHON_DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 SPLITS = {"eval": range(0, 10), "calib": range(10, 20), "train": range(20, 100)}
