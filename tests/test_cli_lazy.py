@@ -46,7 +46,8 @@ def test_import_qrecover_is_light():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["compress", "--help"], ["recover", "--help"], ["finetune", "--help"],
-                                  ["eval", "--help"], ["export", "--help"], ["data", "prepare", "--help"]])
+                                  ["eval", "--help"], ["export", "--help"], ["tune", "--help"],
+                                  ["data", "prepare", "--help"]])
 def test_help_imports_no_heavy_module(argv):
     report, out, _ = probe(*argv)
     assert report == {"code": 0, "heavy": []}, (argv, report)

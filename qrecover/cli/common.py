@@ -8,6 +8,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from ..errors import QRecoverError
+
 console = Console(stderr=True)
 
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of a table.")
@@ -24,8 +26,6 @@ def emit_json(obj: Any) -> None:
 
 
 def parse_ints(value: str, what: str) -> list[int]:
-    from ..errors import QRecoverError
-
     try:
         return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
@@ -35,8 +35,6 @@ def parse_ints(value: str, what: str) -> list[int]:
 def training_data(mix: Any, data: Any, overwrite: bool, resume: bool) -> Any:
     """The training data of a training command: ``--data`` or ``--mix`` (at most one), with ``--overwrite`` and
     ``--resume`` not both given."""
-    from ..errors import QRecoverError
-
     if overwrite and resume:
         raise QRecoverError("--overwrite and --resume contradict each other; pick one")
     if data is not None and mix is not None:

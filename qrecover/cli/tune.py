@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..recovery.tune import TuneConfig
+from ..recovery.config import TuneConfig
 from .common import JsonOpt, console, emit_json, training_data
 
 D = TuneConfig.default

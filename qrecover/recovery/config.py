@@ -140,3 +140,41 @@ class RecoverConfig(DictConfig):
     def default(cls, name: str) -> Any:
         """The default of field ``name`` (the CLI's defaults are these, so the two never drift apart)."""
         return cls.__dataclass_fields__[name].default
+
+
+#: what `qrecover tune` can train (TuneConfig.params)
+PARAM_KINDS = ("tables", "scales", "norms", "embedding")
+
+
+@dataclass
+class TuneConfig(RecoverConfig):
+    """:class:`RecoverConfig` (data, objective, schedule, batch, resume, precision...) plus what to tune. The LoRA
+    fields (rank, init, targets, head_rank, adapter_bits) are unused."""
+
+    what = "tune config"
+    allow_zero_lr: ClassVar[bool] = True
+
+    params: str = doc_field("tables,scales,norms,embedding", "comma-separated continuous parameters to train: 'tables' "
+                            "(palettization look-up tables), 'scales' (blockwise/GPTQ scales), 'norms' (normalization "
+                            "weights), 'embedding' (the packed embedding's tables or scales, read by the tied head too)")
+    lr: float = doc_field(5e-4, "peak learning rate (AdamW) of the fp32 masters and norms; 0 leaves every tensor as it was. "
+                          "The recovery default, not swept for tuning (docs/tune.md); an Adam step moves a value by about lr, "
+                          "so short runs need it well above the fp16 spacing of the norms (~1e-3 near 1)")
+    rounding_windows: int = doc_field(4, "windows of seq_len tokens of the python-docs 'eval' split scored with the fp32 "
+                                      "masters and after rounding them to fp16 (what rounding costs; 0 = not measured)")
+
+    def validate(self) -> None:
+        super().validate()
+        unknown = [k for k in self.kinds if k not in PARAM_KINDS]
+        if unknown or not self.kinds:
+            raise QRecoverError(f"--params {self.params!r}: choose a comma-separated subset of {', '.join(PARAM_KINDS)}, "
+                                "e.g. --params tables,scales")
+        if self.shard_base:
+            raise QRecoverError("tune does not shard the base (--shard-base): its tables and scales train, and FSDP would "
+                                "shard them; tune data parallel (one whole copy per process) instead")
+        if self.rounding_windows < 0:
+            raise QRecoverError(f"--rounding-windows {self.rounding_windows} must be >= 0")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in str(self.params).split(",") if k.strip())

@@ -29,62 +29,26 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from ..api import load, perplexity
+from ..api import perplexity
 from ..checkpoint import MANIFEST, read_manifest
 from ..errors import QRecoverError
-from ..fields import doc_field
 from ..io_utils import sha256_file, write_text_atomic
+from ..loading import load
 from ..qlinear import _Packed
 from ..stages.write import measure_bpw
 from .api import CHECKPOINTS, RUN_FILE, _is_main_process, _require_checkpoint, _run_dir, check_training_inputs, load_teacher, train_on_data
-from .config import RecoverConfig
+from .config import PARAM_KINDS, TuneConfig
 
-PARAM_KINDS = ("tables", "scales", "norms", "embedding")
 #: the continuous stored tensor of each scheme and the --params kind it belongs to in a linear layer
 CONTINUOUS = {"palettize": ("lut", "tables"), "blockwise": ("scale", "scales"), "gptq": ("scale", "scales")}
 EXPORT = ".export"  # the checkpoint files while they are written, moved into OUT at the end
-
-
-@dataclass
-class TuneConfig(RecoverConfig):
-    """:class:`RecoverConfig` (data, objective, schedule, batch, resume, precision...) plus what to tune. The LoRA
-    fields (rank, init, targets, head_rank, adapter_bits) are unused."""
-
-    what = "tune config"
-    allow_zero_lr: ClassVar[bool] = True
-
-    params: str = doc_field("tables,scales,norms,embedding", "comma-separated continuous parameters to train: 'tables' "
-                            "(palettization look-up tables), 'scales' (blockwise/GPTQ scales), 'norms' (normalization "
-                            "weights), 'embedding' (the packed embedding's tables or scales, read by the tied head too)")
-    lr: float = doc_field(5e-4, "peak learning rate (AdamW) of the fp32 masters and norms; 0 leaves every tensor as it was. "
-                          "The recovery default, not swept for tuning (docs/tune.md); an Adam step moves a value by about lr, "
-                          "so short runs need it well above the fp16 spacing of the norms (~1e-3 near 1)")
-    rounding_windows: int = doc_field(4, "windows of seq_len tokens of the python-docs 'eval' split scored with the fp32 "
-                                      "masters and after rounding them to fp16 (what rounding costs; 0 = not measured)")
-
-    def validate(self) -> None:
-        super().validate()
-        unknown = [k for k in self.kinds if k not in PARAM_KINDS]
-        if unknown or not self.kinds:
-            raise QRecoverError(f"--params {self.params!r}: choose a comma-separated subset of {', '.join(PARAM_KINDS)}, "
-                                "e.g. --params tables,scales")
-        if self.shard_base:
-            raise QRecoverError("tune does not shard the base (--shard-base): its tables and scales train, and FSDP would "
-                                "shard them; tune data parallel (one whole copy per process) instead")
-        if self.rounding_windows < 0:
-            raise QRecoverError(f"--rounding-windows {self.rounding_windows} must be >= 0")
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(k.strip() for k in str(self.params).split(",") if k.strip())
 
 
 # --- what trains: from the manifest alone (no model) ---------------------------------------------------------
