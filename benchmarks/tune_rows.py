@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from qrecover.api import load
 from qrecover.checkpoint import read_manifest
+from qrecover.loading import load
 from qrecover.recovery.tune import TuneConfig, tune
 
 
