@@ -32,7 +32,7 @@ def domain_windows(tokenizer, n_heldout: int = 8) -> dict:
 
 def domain_ppl(model, windows: dict) -> dict[str, float]:
     """Perplexity of ``model`` on each of :func:`domain_windows`' texts (each window scored on its own, as
-    :func:`qrecover.api.perplexity`)."""
+    :func:`qrecover.evaluate.perplexity.perplexity`)."""
     from qrecover.recovery.heldout import windows_perplexity
 
     return {name: windows_perplexity(model, w)["ppl"] for name, w in windows.items()}

@@ -13,7 +13,8 @@ from ._version import __version__
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ imports them on first use
     from . import evaluate
-    from .api import compress, perplexity
+    from .api import compress
+    from .evaluate.perplexity import perplexity
     from .loading import load
     from .recovery.api import finetune, recover
     from .schemes import register_quantizer
@@ -22,7 +23,7 @@ __all__ = ["compress", "load", "perplexity", "recover", "finetune", "evaluate", 
 
 _LAZY = {  # public name -> the module that defines it (imported on first attribute access)
     "compress": "qrecover.api",
-    "perplexity": "qrecover.api",
+    "perplexity": "qrecover.evaluate.perplexity",
     "load": "qrecover.loading",
     "recover": "qrecover.recovery.api",
     "finetune": "qrecover.recovery.api",

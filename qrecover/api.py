@@ -17,10 +17,10 @@ from ._version import __version__
 from .allocate import Choice
 from .checkpoint import FORMAT_VERSION
 from .config import CompressConfig
-from .data.corpus import token_windows
 from .data.mix import calibration_windows
 from .distributed import SINGLE, join, local_device
 from .errors import QRecoverError
+from .evaluate.perplexity import PPL_PROTOCOL, perplexity  # noqa: F401  (re-exported: qrecover.api is the facade)
 from .loading import load, load_any  # noqa: F401  (re-exported: qrecover.api is the facade)
 from .models import count_parameters, decoder_layers, is_tied, linear_layers, load_model, module_name, resolve, state_tensors, unquantized_matrices
 from .moe import unfuse_experts
@@ -428,27 +428,3 @@ def _versions() -> dict[str, str]:
 
     return {"qrecover": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "safetensors": safetensors.__version__, "python": platform.python_version()}
-
-
-# --- perplexity -----------------------------------------------------------------------------------------
-
-PPL_PROTOCOL = ("held-out split 'eval' of the text source (documents never used for calibration or training), "
-                "documents in hash order joined by EOS, the first windows*seq_len tokens cut into non-overlapping "
-                "windows, each scored independently (no context carried over); ppl = exp(mean NLL of every predicted token)")
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, tokenizer: Any, source: str = "python-docs", windows: int = 32, seq_len: int = 512,
-               show_progress: bool = True) -> dict[str, Any]:
-    """Held-out perplexity under the fixed protocol :data:`PPL_PROTOCOL`."""
-    data = token_windows(tokenizer, source, "eval", windows, seq_len)
-    nll, count = 0.0, 0
-    with progress() as bar:
-        task = bar.add_task("perplexity", total=windows, visible=show_progress)
-        for w in data:
-            logits = model(input_ids=w.unsqueeze(0), use_cache=False).logits[0, :-1].float()
-            nll += float(nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
-            count += seq_len - 1
-            bar.advance(task)
-    return {"ppl": math.exp(nll / count), "nll": nll / count, "tokens": count, "source": source, "split": "eval",
-            "windows": windows, "seq_len": seq_len, "protocol": PPL_PROTOCOL}

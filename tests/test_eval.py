@@ -129,7 +129,7 @@ def test_quantized_against_its_source(quantized, original, tiny_ckpt):
 
 
 def test_ppl_unchanged_by_the_kl_probe(quantized, tiny_ckpt):
-    from qrecover.api import perplexity
+    from qrecover.evaluate.perplexity import perplexity
     from qrecover.loading import load_any
 
     model, tok, _ = load_any(str(tiny_ckpt))

@@ -12,14 +12,16 @@ import pytest
 import torch
 from cli_helpers import run
 
-from qrecover.api import compress, load, perplexity
+from qrecover.api import compress
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
 from qrecover.evaluate.agreement import KLProbe
+from qrecover.evaluate.perplexity import perplexity
 from qrecover.export import export
 from qrecover.export.common import integer_layout, read_checkpoint
 from qrecover.export.gguf_format import encode_q4, map_layer, row_permutation
 from qrecover.export.merge import calibration_windows
+from qrecover.loading import load
 from qrecover.models import load_model
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.lora import attach_lora, base_identity, lora_modules, lowrank_correction, save_adapter

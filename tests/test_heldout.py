@@ -4,7 +4,7 @@ Checks that every held-out domain builds the items its pinned sha256 names (a ch
 refused), that the windows are deterministic, of the requested shape, start with BOS exactly when the tokenizer adds
 one, and hold the domain's own text, that the GSM8K items carry no calculator annotations and the MMLU items their
 four choices, that a missing package names the pip command, and that the windows' perplexity equals
-``qrecover.api.perplexity`` on the same text.
+``qrecover.evaluate.perplexity.perplexity`` on the same text.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from transformers import AutoTokenizer
 
 from qrecover import benchdata
-from qrecover.api import perplexity
 from qrecover.data.corpus import token_windows
 from qrecover.errors import QRecoverError
+from qrecover.evaluate.perplexity import perplexity
 from qrecover.models import default_model_dir
 from qrecover.recovery import heldout
 from qrecover.recovery.heldout import DOMAINS, HELD_OUT, domain_texts, heldout_windows, windows_perplexity

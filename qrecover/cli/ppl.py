@@ -28,8 +28,8 @@ def ppl(
     json_out: bool = JsonOpt,
 ) -> None:
     """Perplexity on held-out text under a fixed protocol (windows x seq-len tokens of the eval split)."""
-    from ..api import perplexity
     from ..errors import QRecoverError
+    from ..evaluate.perplexity import perplexity  # lazy (and load_any): torch and transformers take seconds to import
     from ..loading import load_any
 
     if windows <= 0 or seq_len <= 1:

@@ -48,7 +48,7 @@ class KLProbe(nn.Module):
     """Wraps the evaluated model: every forward also runs ``reference`` on the same input and accumulates
     per-token KL of the predicted positions (all but the last of each row).
 
-    Pass it where a model is expected (e.g. to :func:`qrecover.api.perplexity`): perplexity and KL then
+    Pass it where a model is expected (e.g. to :func:`qrecover.evaluate.perplexity.perplexity`): perplexity and KL then
     come from one forward pass of the evaluated model, over exactly the windows perplexity scores.
     """
 

@@ -14,7 +14,7 @@ Tasks (``EvalConfig.tasks``):
   ``ifeval_prompt_loose``.
 * ``mmlu``: A/B/C/D log-likelihood with lm-eval's default MMLU template, zero-shot; metric ``mmlu``. With
   a limit, questions are taken round-robin over subjects (see :data:`.config.MMLU_SELECTION`).
-* ``ppl``: :func:`qrecover.api.perplexity` (held-out text, lower is better).
+* ``ppl``: :func:`qrecover.evaluate.perplexity.perplexity` (held-out text, lower is better).
 * ``kl``: agreement with the unquantized model: ``kl`` (mean token KL(reference || evaluated) on the
   perplexity windows) and, when ``mmlu`` runs too, ``mmlu_flips`` (fraction of MMLU answers that differ
   from the reference's). Both are 0 by definition for the unquantized model itself.
@@ -42,10 +42,10 @@ from typing import Any
 from rich.console import Console
 
 from .._version import __version__
-from ..api import perplexity
 from ..benchdata import data_file
 from ..checkpoint import MANIFEST
 from ..errors import QRecoverError
+from ..evaluate.perplexity import perplexity
 from ..io_utils import atomic_file, sha256_file
 from ..loading import load_any
 from ..models import DEFAULT_MODEL, resolve, weights_sha256

@@ -7,7 +7,7 @@ text, ``n`` windows of its calibration length), and the merged packed layers rep
 :class:`~qrecover.export.common.Checkpoint` handed to the format writer.
 
 Merging re-quantizes, so the merged model is not the unmerged adapter. The cost is measured, never assumed: on
-``eval_windows`` held-out windows of 512 tokens (:data:`qrecover.api.PPL_PROTOCOL`) the perplexity of the
+``eval_windows`` held-out windows of 512 tokens (:data:`qrecover.evaluate.perplexity.PPL_PROTOCOL`) the perplexity of the
 checkpoint without the adapter (``base``), with the adapter unmerged (``unmerged``) and merged (``merged``), and
 the mean per-token KL to the unquantized model when it is available (the manifest's source, same weights hash).
 ``kept`` is the fraction of the adapter's gain the merge keeps, ``(base - merged) / (base - unmerged)`` on KL
@@ -26,11 +26,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..api import perplexity
 from ..checkpoint import source_model_spec
 from ..data.mix import calibration_windows as source_windows
 from ..errors import QRecoverError
 from ..evaluate.agreement import KLProbe
+from ..evaluate.perplexity import perplexity
 from ..loading import load
 from ..models import load_model
 from ..qlinear import QuantLinear

@@ -172,7 +172,7 @@ def heldout_windows(tokenizer: Any, name: str, n: int = 8, seq_len: int = 512) -
 @torch.no_grad()
 def windows_perplexity(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
     """``{"ppl", "nll", "tokens"}`` of ``model`` on ``windows (n, seq_len)``, each window scored on its own
-    (the protocol of :func:`qrecover.api.perplexity`: next-token NLL of positions 1..seq_len-1, ``exp`` of the mean)."""
+    (the protocol of :func:`qrecover.evaluate.perplexity.perplexity`: next-token NLL of positions 1..seq_len-1, ``exp`` of the mean)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from ..api import perplexity
 from ..checkpoint import MANIFEST, read_manifest
 from ..errors import QRecoverError
+from ..evaluate.perplexity import perplexity
 from ..io_utils import sha256_file, write_text_atomic
 from ..loading import load
 from ..qlinear import _Packed
