@@ -4,8 +4,9 @@
 
 - ``"gemv"``: the fused dequantize-matmul kernel's split-K path (batch <= 16, decoding),
 - ``"tiled"``: its ``tl.dot`` tile path (batch > 16, prefill),
-- ``"dense"``: a dense copy dequantized once, then ``F.linear`` (cuBLAS): what the measured policy
-  (:mod:`.dispatch`) keeps where it timed faster than the fused kernel,
+- ``"dense"``: a dense copy dequantized once, then ``F.linear`` (cuBLAS), and
+- ``"int4"``: torch's ``_weight_int4pack_mm`` on a one-time repack (:mod:`.int4pack`, blockwise 4-bit): what the
+  measured policy (:mod:`.dispatch`) keeps where it timed faster than the fused kernel,
 - ``"reference"``: ``F.linear(x, layer.dequantize(x.dtype), bias)`` (:mod:`.reference`; it reads the layer's
   dense cache when it has one), when the device is not CUDA, ``QRECOVER_KERNELS=0``, triton is not installed
   (``pip install 'qrecover[kernels]'``), the layer's format/shape is not one the kernel reads (see
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QRecoverError
-from . import dispatch, reference
+from . import dispatch, int4pack, reference
 from .formats import BLOCKWISE, PALETTIZE, Format
 
 logger = logging.getLogger("qrecover.kernels")
@@ -47,7 +48,7 @@ _logged: set[tuple] = set()
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """What :func:`select` decided: ``name`` in {"gemv", "tiled", "dense", "reference"}, and why.
+    """What :func:`select` decided: ``name`` in {"gemv", "tiled", "dense", "int4", "reference"}, and why.
 
     ``pending``: a fused choice not yet measured against the dense path (:func:`linear` measures it).
     """
@@ -144,8 +145,8 @@ def select(layer, device: torch.device | str, batch: int, dtype: torch.dtype | N
         decided = dispatch.DECISIONS.get(dispatch.key(fmt, batch, dtype or torch.float16, device))
         if decided is None:
             choice = KernelChoice(fused_name, f"{fused_why}; to be timed against the dense path", pending=True)
-        elif decided == "dense":
-            choice = KernelChoice("dense", "measured faster than the fused kernel")
+        elif decided in ("dense", "int4"):
+            choice = KernelChoice(decided, "measured faster than the fused kernel")
         else:
             choice = KernelChoice(fused_name, f"{fused_why}; measured faster than the dense path")
     log_key = (layer.scheme, layer.bits, tuple(layer.shape), device.type, choice.name, choice.pending)
@@ -164,8 +165,13 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
     choice = select(layer, x.device, batch, x.dtype, training=is_training(layer, x),
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     if choice.pending:
-        choice = KernelChoice("dense" if dispatch.measure(layer, x, layer_format(layer), lambda v: fused_linear(layer, v))
-                              == "dense" else choice.name, "measured")
+        best = dispatch.measure(layer, x, layer_format(layer), lambda v: fused_linear(layer, v))
+        choice = KernelChoice(choice.name if best == "fused" else best, "measured")
+    if choice.name == "int4":
+        w4 = dispatch.int4_weight(layer, layer_format(layer), x.dtype)
+        if w4 is not None:
+            return int4pack.linear(w4, x, layer.bias)
+        choice = KernelChoice("gemv" if batch <= GEMV_MAX_BATCH else "tiled", "no memory for the int4 repack")
     if choice.name == "dense":
         w = dispatch.dense_weight(layer, x.dtype, x.device)
         if w is not None:

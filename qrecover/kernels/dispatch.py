@@ -7,6 +7,8 @@ here once per ``(Format, batch bucket, dtype, device)`` (:func:`key`): the first
 - ``fused``: the fused dequant-matmul kernel (:func:`qrecover.kernels.fused_linear`), tuned first, and
 - ``dense``: dequantize once, then ``F.linear`` (cuBLAS), where the layer may hold a dense copy
   (:func:`dense_allowed`: its bytes fit in :data:`DENSE_FREE_FRACTION` of the free device memory),
+- ``int4``: torch's ``_weight_int4pack_mm`` on a one-time repack (:mod:`.int4pack`), for blockwise 4-bit layers
+  whose geometry it takes (the same numbers: ``zero = (8 - z) * s``); dropped if torch refuses the dtype,
 
 with :data:`timer` (default: ``triton.testing.do_bench``, which flushes L2 between repetitions), and records the
 faster in :data:`DECISIONS`. Later layers of the same kind take the recorded path without timing. A layer
@@ -21,6 +23,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from . import int4pack
 
 logger = logging.getLogger("qrecover.kernels")
 
@@ -48,7 +52,7 @@ def _bench(name: str, fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=5, rep=25))
 
 
-#: ``timer(name, fn) -> time`` with ``name`` in {"fused", "dense"}; any unit, smaller is faster
+#: ``timer(name, fn) -> time`` with ``name`` in {"fused", "dense", "int4"}; any unit, smaller is faster
 timer: Callable[[str, Callable[[], object]], float] = _bench
 
 
@@ -80,6 +84,22 @@ def dense_weight(layer, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return layer._dispatch_dense
 
 
+def int4_weight(layer, fmt, dtype: torch.dtype) -> int4pack.Int4Weight | None:
+    """The layer's repack for torch's int4 matmul in ``dtype`` (made once, kept until its codes change), or None
+    when the geometry does not fit or memory does not allow it."""
+    if not int4pack.supported(fmt):
+        return None
+    q = layer.qdata
+    key = (q.data_ptr(), str(q.device), q._version, dtype)
+    cached = getattr(layer, "_dispatch_int4", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if layer.nbytes > DENSE_FREE_FRACTION * free_memory(q.device):
+        return None
+    layer._dispatch_int4 = (key, int4pack.repack(layer, fmt, dtype))
+    return layer._dispatch_int4[1]
+
+
 def dense_linear(layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x (..., I) @ w.T (+ bias)`` with ``w (O, I)`` dense in ``x.dtype``."""
     return F.linear(x, w, None if layer.bias is None else layer.bias.to(x.dtype))
@@ -88,7 +108,7 @@ def dense_linear(layer, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def measure(layer, x: torch.Tensor, fmt, fused: Callable[[torch.Tensor], torch.Tensor]) -> str:
     """Time ``fused(x)`` against the dense path for ``layer`` and record the faster under :func:`key`.
 
-    Returns "fused" or "dense". Without room for a dense copy the dense path is not timed ("fused").
+    Returns "fused", "dense" or "int4". Without room for a dense copy the dense path is not timed.
     While a CUDA graph is being captured nothing can be timed: "fused", not recorded.
     """
     k = key(fmt, x.numel() // x.shape[-1], x.dtype, x.device)
@@ -98,13 +118,23 @@ def measure(layer, x: torch.Tensor, fmt, fused: Callable[[torch.Tensor], torch.T
         return "fused"
     fused(x)  # compile and tune before timing
     times = {"fused": timer("fused", lambda: fused(x))}
-    had_copy = getattr(layer, "_dispatch_dense", None) is not None
+    had_copy = getattr(layer, "_dispatch_dense", None) is not None  # kept for another bucket: keep it
+    had_int4 = getattr(layer, "_dispatch_int4", None) is not None
     w = dense_weight(layer, x.dtype, x.device)
     if w is not None:
         times["dense"] = timer("dense", lambda: dense_linear(layer, x, w))
+    try:
+        w4 = int4_weight(layer, fmt, x.dtype)
+        if w4 is not None:
+            int4pack.linear(w4, x, layer.bias)  # raises where this torch build does not take the dtype
+            times["int4"] = timer("int4", lambda: int4pack.linear(w4, x, layer.bias))
+    except RuntimeError as e:
+        logger.info("torch's int4 matmul is not a candidate for %s: %s", tuple(layer.shape), str(e)[:120])
     best = min(times, key=times.get)
     if best != "dense" and not had_copy:
         layer._dispatch_dense = None  # made only to be timed
+    if best != "int4" and not had_int4:
+        layer._dispatch_int4 = None
     DECISIONS[k] = best
     logger.info("%s %d-bit %s, batch bucket %d, %s: %s (%s)", layer.scheme, layer.bits, tuple(layer.shape), k[1],
                 x.dtype, best, ", ".join(f"{n} {t:.4g}" for n, t in times.items()))
