@@ -193,3 +193,23 @@ def test_lazy_and_whole_model_rotate_alike(tmp_path, tiny_dir):
     a, b = (load_file(o / "model.safetensors") for o in outs)
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
     assert torch.all(a["model.layers.0.input_layernorm.weight"] == 1)  # folded norms are stored as ones
+
+
+def test_untied_rotation_is_fully_fused_and_exports_to_gguf(tmp_path):
+    """An untied head takes the final norm's scale: nothing runs online, and GGUF holds the rotated model exactly."""
+    pytest.importorskip("gguf")
+    src = tmp_path / "qwen2"
+    _model(T.Qwen2Config, dict(tie_word_embeddings=False, vocab_size=49152, hidden_size=64), dtype=torch.float32).save_pretrained(src)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(src)
+    cfg = CompressConfig(model=str(src), bpw=None, encodings="rot+blockwise:4/b32/sym", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    manifest = compress(cfg, out=tmp_path / "q", show_progress=False)
+    assert "online" not in manifest["transforms"] and manifest["transforms"]["layers"]["rot"]["tied_head"] is False
+    export(tmp_path / "q", "gguf", tmp_path / "g")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file="model.gguf", dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 2, 17, 42, 999, 12000]])
+    q = load(tmp_path / "q")
+    assert torch.all(q.model.norm.weight == 1) and not q.model.norm._forward_hooks
+    with torch.no_grad():
+        got, want = hf(ids, use_cache=False).logits, q(ids, use_cache=False).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
