@@ -83,7 +83,7 @@ def test_no_hadamard_for_an_odd_order():
         hadamard(9)
 
 
-@pytest.mark.parametrize("tf", ["rot", "rot-block", "rot-random", "rot1"])
+@pytest.mark.parametrize("tf", ["rot", "rot-block", "rot-random", "rot1", "rot2"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_fused_rotation_preserves_logits(name, tf):
     model = _model(*ARCHS[name])
@@ -98,15 +98,16 @@ def test_fused_rotation_preserves_logits(name, tf):
     # a wrong fold is O(1))
     assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name
     emb = model.get_input_embeddings().weight
-    assert not torch.allclose(emb, ref.get_input_embeddings().weight)  # the embedding's rows are rotated
+    assert torch.allclose(emb, ref.get_input_embeddings().weight) == (tf == "rot2")  # R1 rotates the embedding's rows
     layer, ref_layer = model.model.layers[0], ref.model.layers[0]
     offset = 1.0 if name == "gemma" else 0.0
-    assert torch.all(layer.input_layernorm.weight == 1 - offset)  # the scale is in the weights now
+    assert torch.all(layer.input_layernorm.weight == 1 - offset) == (tf != "rot2")  # R1: the scale is in the weights now
     v = "v_proj" if hasattr(layer.self_attn, "v_proj") else "qkv_proj"
     changed = not torch.allclose(getattr(layer.self_attn, v).weight, getattr(ref_layer.self_attn, v).weight)
-    assert changed and info["tied_head"] == ARCHS[name][1]["tie_word_embeddings"]
-    assert (info["r2"] is None) == (tf == "rot1")
-    assert bool(info["online"]) == info["tied_head"]
+    assert changed and (info["r2"] is None) == (tf == "rot1")
+    if tf == "rot2":
+        return
+    assert info["tied_head"] == ARCHS[name][1]["tie_word_embeddings"] and bool(info["online"]) == info["tied_head"]
     if not info["tied_head"]:
         assert torch.all(final_norm(model).weight == 1 - offset)
 

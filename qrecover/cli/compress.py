@@ -41,7 +41,7 @@ pc (per channel), sym, asym, key=value (any field of the scheme's config); e.g. 
 awq+gptq:3/g128, palettize:3/g1 (one table per row). A transform (awq+...) is model-level: applied once,
 every candidate then quantizes the transformed weights. Transforms: awq (activation-aware scales), rot
 (Hadamard rotations R1 + R2 fused into the weights, docs/rotations.md; rot-block, rot-random: other
-matrices; rot1: R1 only), e.g. rot+gptq:3/g64, rot+palettize:3, rot+awq+gptq:3/g64 (rotations run first).
+matrices; rot1: R1 only; rot2: R2 only), e.g. rot+gptq:3/g64, rot+palettize:3, rot+awq+gptq:3/g64 (rotations run first).
 
 Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
 (palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (palettize:2,3,4

@@ -158,6 +158,7 @@ class Rotate(Transform):
 
     model_level = True
     kind: ClassVar[str] = "hadamard"
+    r1: ClassVar[bool] = True
     r2: ClassVar[bool] = True
 
     def check(self, model: nn.Module) -> None:
@@ -166,31 +167,35 @@ class Rotate(Transform):
     @torch.no_grad()
     def apply_model(self, model: nn.Module, device: torch.device | str) -> dict[str, Any]:
         check_model(model)
-        emb, head, norm = model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model)
-        H = emb.weight.shape[1]
+        H = model.get_input_embeddings().weight.shape[1]
         r1 = rotation(H, self.kind, _SEED_R1)
         layers, summary, cfg = decoder_layers(model), [], model.config
         for i, layer in enumerate(layers):
             with resident(model, layer, device, keep=True):
-                entry: dict[str, Any] = fold_r1_layer(layer, r1, SUPPORTED[type(layer).__name__])
+                entry: dict[str, Any] = fold_r1_layer(layer, r1, SUPPORTED[type(layer).__name__]) if self.r1 else {}
                 if self.r2:
                     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
                     entry["r2"] = fold_r2_layer(layer, rotation(head_dim(layer, cfg), self.kind, _SEED_R2 + i), n_kv)
                 summary.append(entry)
+        ends = self._rotate_ends(model, r1, SUPPORTED[type(layers[0]).__name__]) if self.r1 else {"tied_head": None, "online": {}}
+        return {"kind": self.kind, "r1": H if self.r1 else None, "r2": head_dim(layers[0], cfg) if self.r2 else None,
+                **ends, "layers": summary}
+
+    def _rotate_ends(self, model: nn.Module, r1: torch.Tensor, offset: float) -> dict[str, Any]:
+        """R1 on the embedding's rows and the head's input (the final norm folded, or run online for a tied head)."""
+        emb, head, norm = model.get_input_embeddings(), model.get_output_embeddings(), final_norm(model)
         tied = head is not None and head.weight is emb.weight
         _set(emb.weight, emb.weight.detach().double() @ r1.to(emb.weight.device))
         online: dict[str, Any] = {}
-        norm_name = next(n for n, m in model.named_modules() if m is norm)
         if tied:
             OnlineRotation(norm, r1)
-            online[norm_name] = {"size": H, "kind": self.kind, "seed": _SEED_R1, "why": "tied head: the final norm runs un-rotated"}
+            online[next(n for n, m in model.named_modules() if m is norm)] = {
+                "size": r1.shape[0], "kind": self.kind, "seed": _SEED_R1, "why": "tied head: the final norm runs un-rotated"}
         elif head is not None:
-            offset = SUPPORTED[type(layers[0]).__name__]
             g = norm.weight.detach().double() + offset
             _set(head.weight, (head.weight.detach().double() * g) @ r1.to(head.weight.device))
             norm.weight.data.fill_(1.0 - offset)
-        return {"kind": self.kind, "r1": H, "r2": head_dim(layers[0], cfg) if self.r2 else None, "tied_head": tied,
-                "online": online, "layers": summary}
+        return {"tied_head": tied, "online": online}
 
 
 @register_transform
@@ -219,6 +224,13 @@ class RotR1(Rotate):
     """``rot1``: R1 only (randomised Hadamard), to measure what R2 adds."""
 
     name, r2 = "rot1", False
+
+
+@register_transform
+class RotR2(Rotate):
+    """``rot2``: R2 only (randomised Hadamard per head): the residual stream and the norms are left as they are."""
+
+    name, r1 = "rot2", False
 
 
 __all__ = ["OnlineRotation", "Rotate", "SUPPORTED", "attach_online", "check_model", "fold_r1_layer", "fold_r2_layer"]
