@@ -142,3 +142,12 @@ def test_compile_layers_compiles_every_decoder_layer_in_place_and_keeps_outputs(
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert T.compile_layers(model, backend="eager") == 3 and [n for n, _ in model.named_parameters()] == names
     assert torch.allclose(model(input_ids=ids, use_cache=False).logits, want, atol=1e-6)
+
+
+def test_log_steps_are_the_warmup_the_period_the_checkpoints_and_the_last():
+    cfg = RecoverConfig(log_every=4, checkpoint_every=3)
+    assert [s for s in range(1, 12) if T.is_log_step(s, 0, 11, cfg, False)] == [1, 2, 3, 4, 6, 8, 9, 11]
+    assert [s for s in range(6, 12) if T.is_log_step(s, 5, 11, cfg, False)] == [6, 7, 8, 9, 11]  # resumed after 5
+    assert all(T.is_log_step(s, 0, 11, cfg, True) for s in range(1, 12))  # a callback reads every step
+    # every checkpoint is written at a read, so a non-finite loss is caught before it could be saved
+    assert all(T.is_log_step(s, 0, 11, cfg, False) for s in range(1, 12) if T.is_checkpoint_step(s, 11, cfg))

@@ -223,6 +223,7 @@ def _allocate_ranks(model: torch.nn.Module, teacher: torch.nn.Module, windows: t
     layers' damage and error spectra on the calibration ``windows`` (:mod:`.rank_alloc`)."""
     t0 = time.time()
     with _status("allocating adapter ranks by damage", show_progress):
+        place_teacher(teacher, init_device(), "no")  # its forward over the windows on the training device
         out = damage_ranks(model, teacher, windows, quantized_targets(model, targets), rank, device=init_device())
     return {"method": "damage", **out, "seconds": round(time.time() - t0, 1)}
 

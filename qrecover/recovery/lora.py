@@ -108,7 +108,7 @@ def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
             if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
 
 
-#: layers up to this width (rows and columns) take the exact float64 path of :func:`lowrank_correction`; wider
+#: on a CPU, layers up to this width (rows and columns) take the exact float64 path of :func:`lowrank_correction`; wider
 #: ones the randomized one (an eigendecomposition and a full SVD are cubic in the width: see benchmarks/svd_init.py)
 EXACT_MAX_WIDTH = 2048
 OVERSAMPLE = 8  # extra directions of the randomized range finder

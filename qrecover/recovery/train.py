@@ -449,6 +449,19 @@ def _read_losses(pending: list[tuple[int, int, float, torch.Tensor]], accelerato
     return [{"step": step, "tokens": tokens, "loss": value, "lr": lr} for (step, tokens, lr, _), value in zip(pending, values)]
 
 
+def is_checkpoint_step(step: int, steps: int, cfg: RecoverConfig) -> bool:
+    """Whether the main process writes a checkpoint after optimizer step ``step`` of ``steps``."""
+    return bool(cfg.checkpoint_every) and (step % cfg.checkpoint_every == 0 or step == steps)
+
+
+def is_log_step(step: int, step0: int, steps: int, cfg: RecoverConfig, has_callback: bool) -> bool:
+    """Whether the losses are read after optimizer step ``step`` (the run started after ``step0``): the warm-up
+    steps, every ``cfg.log_every``-th, the last, checkpoint steps and, with a callback, every step. The same on
+    every process (the read is a collective), so it depends on nothing process-specific."""
+    return (step - step0 <= WARMUP_LOG_STEPS or step == steps or step % cfg.log_every == 0
+            or is_checkpoint_step(step, steps, cfg) or has_callback)
+
+
 def _loop(ctx: StepContext, stream: Iterator[tuple[torch.Tensor, torch.Tensor]], loader: Any, run_dir: Path,
           history: list[dict[str, Any]], step: int, tokens: int, steps: int, callback: Callable | None,
           show_progress: bool, description: str) -> tuple[int, int, float, dict[str, Any] | None]:
@@ -470,10 +483,8 @@ def _loop(ctx: StepContext, stream: Iterator[tuple[torch.Tensor, torch.Tensor]],
             step += 1
             tokens += cfg.tokens_per_step * world
             pending.append((step, tokens, scheduler.get_last_lr()[0], loss))
-            checkpointing = accelerator.is_main_process and cfg.checkpoint_every and (
-                step % cfg.checkpoint_every == 0 or step == steps)
-            logging = (step - step0 <= WARMUP_LOG_STEPS or step == steps or step % max(1, cfg.log_every) == 0
-                       or bool(checkpointing) or callback is not None)
+            checkpointing = accelerator.is_main_process and is_checkpoint_step(step, steps, cfg)
+            logging = is_log_step(step, step0, steps, cfg, callback is not None)
             if logging:  # the one device read of these steps: their losses (a checkpoint or the hook needs them)
                 history.extend(_read_losses(pending, accelerator, run_dir))
                 pending.clear()
