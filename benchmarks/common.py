@@ -21,10 +21,10 @@ def save_byte_level_tokenizer(d: Path) -> None:
 
 def domain_windows(tokenizer, n_heldout: int = 8) -> dict:
     """Token windows to score a model on, tokenized once: ``python-docs`` (the README protocol: 32 x 512 tokens of the
-    eval split, the calibration domain) and each held-out domain of :data:`qrecover.recovery.heldout.HELD_OUT`
+    eval split, the calibration domain) and each held-out domain of :data:`qrecover.evaluate.heldout.HELD_OUT`
     (``n_heldout`` x 512 tokens)."""
     from qrecover.data.corpus import token_windows
-    from qrecover.recovery.heldout import HELD_OUT, heldout_windows
+    from qrecover.evaluate.heldout import HELD_OUT, heldout_windows
 
     return {"python-docs": token_windows(tokenizer, "python-docs", "eval", 32, 512),
             **{d: heldout_windows(tokenizer, d, n_heldout, 512) for d in HELD_OUT}}
@@ -33,6 +33,6 @@ def domain_windows(tokenizer, n_heldout: int = 8) -> dict:
 def domain_ppl(model, windows: dict) -> dict[str, float]:
     """Perplexity of ``model`` on each of :func:`domain_windows`' texts (each window scored on its own, as
     :func:`qrecover.evaluate.perplexity.perplexity`)."""
-    from qrecover.recovery.heldout import windows_perplexity
+    from qrecover.evaluate.heldout import windows_perplexity
 
     return {name: windows_perplexity(model, w)["ppl"] for name, w in windows.items()}

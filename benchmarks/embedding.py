@@ -1,7 +1,7 @@
 """The embedding's encodings alone (issue 11: "the embedding's encodings become specs"): on the default model, whose
 tied embedding (49152 x 576) is 21% of its weights and also its output head, quantize only that matrix with each
 encoding, everything else unquantized, and measure held-out perplexity on the README protocol's python-docs eval
-split and on three held-out domains (:mod:`qrecover.recovery.heldout`: shakespeare, gsm8k, mmlu), next to the
+split and on three held-out domains (:mod:`qrecover.evaluate.heldout`: shakespeare, gsm8k, mmlu), next to the
 damage qrecover's allocator predicts for it (:func:`qrecover.stages.candidates.embedding_stats`, the statistics
 ``qrecover compress`` uses, from the same 32 x 512 calibration windows).
 
@@ -101,7 +101,7 @@ def main() -> None:
         f"Model {source.name}: embedding {w0.shape[0]} x {w0.shape[1]}, {'tied to the output head' if tied else 'untied'}. "
         "Only the embedding is quantized; everything else stays as loaded. Perplexity: python-docs = the README protocol "
         f"(32 x 512 tokens of the eval split); the held-out domains {args.heldout_windows} x 512 tokens each "
-        "(qrecover.recovery.heldout). Ratio = to the original; worst = the largest ratio of the four. Predicted = the "
+        "(qrecover.evaluate.heldout). Ratio = to the original; worst = the largest ratio of the four. Predicted = the "
         f"damage `qrecover compress` estimates (nats of mean loss), calibration {args.calib_samples} x 512 python-docs "
         f"tokens. CPU, OMP_NUM_THREADS={meta['threads']}.",
         "",

@@ -36,13 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qrecover import api  # noqa: E402
+from qrecover.adapters.lora import attach_lora, base_identity, save_adapter  # noqa: E402
+from qrecover.adapters.svd_init import init_error_svd  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
 from qrecover.data.corpus import token_windows  # noqa: E402
 from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
-from qrecover.recovery.lora import attach_lora, base_identity, init_error_svd, save_adapter  # noqa: E402
 
 CHECKPOINTS = {
     "blockwise 4-bit b32 asym": dict(scheme="blockwise", scheme_params={"block_size": 32, "symmetric": False}),

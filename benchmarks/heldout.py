@@ -2,7 +2,7 @@
 
 ``benchmarks/schemes.py`` scores the README protocol (the Python docs' eval split: the calibration domain). This
 scores checkpoints, next to the unquantized model, on that split and on the held-out domains of
-:mod:`qrecover.recovery.heldout` (shakespeare, gsm8k, mmlu), and reports each ratio to the original and the worst.
+:mod:`qrecover.evaluate.heldout` (shakespeare, gsm8k, mmlu), and reports each ratio to the original and the worst.
 
     python benchmarks/heldout.py benchmarks/out/schemes-work/{default-3.7,mixed-3.7,mixed-awq-3.7} --out reports/schemes-heldout.md
     python benchmarks/heldout.py benchmarks/out/schemes-work/blocks-3.7 --out reports/schemes-heldout.md --append
@@ -62,7 +62,7 @@ def main() -> None:
     base = rows[0]["ppl"]
     lines = ["# Held-out perplexity of compressed checkpoints (benchmarks/heldout.py)", "",
              f"python-docs: the README protocol (32 x 512 tokens of the eval split, the calibration domain); "
-             f"{', '.join(domains)}: {args.windows} x 512 tokens each (qrecover.recovery.heldout). Ratio to the "
+             f"{', '.join(domains)}: {args.windows} x 512 tokens each (qrecover.evaluate.heldout). Ratio to the "
              f"original; worst = the largest of the held-out domains' ratios. CPU, OMP_NUM_THREADS="
              f"{os.environ.get('OMP_NUM_THREADS', 'default')}.", "",
              "| checkpoint | bpw | " + " | ".join(f"{c} (ratio)" for c in cols) + " | worst held-out |",

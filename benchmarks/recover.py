@@ -2,7 +2,7 @@
 
 For 3.5 and 3.7 bpw checkpoints (the `compress` defaults), trains recovery adapters with the shipped default mix and
 measures, at several token counts, perplexity of the original, quantized and recovered models on fixed windows of
-held-out texts (`qrecover/recovery/heldout.py`, each pinned by sha256):
+held-out texts (`qrecover/evaluate/heldout.py`, each pinned by sha256):
 
 - **held-out domains** no training source covers: Shakespeare (literature), GSM8K problems with worked solutions
   (math), MMLU questions with their choices (academic); the **worst** of them is the headline;
@@ -61,15 +61,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # tune_rows.py beside this file
 from tune_rows import tune_alone, tune_config, tuned_base  # noqa: E402
 
 from qrecover import api  # noqa: E402
+from qrecover.adapters.int8 import INT8_FILE, save_int8  # noqa: E402
+from qrecover.adapters.lora import ADAPTER_META  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
+from qrecover.evaluate.heldout import DOMAINS, HELD_OUT, heldout_windows, windows_perplexity  # noqa: E402
 from qrecover.io_utils import sha256_file  # noqa: E402
 from qrecover.models import load_model  # noqa: E402
-from qrecover.recovery.adapter_int8 import INT8_FILE, save_int8  # noqa: E402
 from qrecover.recovery.api import default_mix_path, recover  # noqa: E402
 from qrecover.recovery.config import RecoverConfig  # noqa: E402
-from qrecover.recovery.heldout import DOMAINS, HELD_OUT, heldout_windows, windows_perplexity  # noqa: E402
-from qrecover.recovery.lora import ADAPTER_META  # noqa: E402
 from qrecover.recovery.train import peak_memory_bytes  # noqa: E402
 
 TEXTS = (*HELD_OUT, "alpaca_eval", "python-docs")  # scored for every row; the worst is taken over HELD_OUT
@@ -396,7 +396,7 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, refere
     cols = " / ".join(SHORT[k] for k in TEXTS)
     lines = [
         f"# Recovery benchmark, held-out domains (`python benchmarks/recover.py --name {name}`)\n",
-        f"Perplexity on {windows} x 512 tokens of each text (`qrecover/recovery/heldout.py`, sha256-pinned): "
+        f"Perplexity on {windows} x 512 tokens of each text (`qrecover/evaluate/heldout.py`, sha256-pinned): "
         + "; ".join(f"**{k}** = {DOMAINS[k].what}" for k in TEXTS) + ". The held-out domains (no training source "
         f"covers them) are {', '.join(HELD_OUT)}; **worst** = the smallest gap closed among them. Gap closed = "
         "(quantized - recovered) / (quantized - original). Training: the shipped default mix (Python docs 40%, docs "

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qrecover.recovery.lora import lowrank_correction, randomized_correction, randomized_corrections  # noqa: E402
+from qrecover.adapters.svd_init import lowrank_correction, randomized_correction, randomized_corrections  # noqa: E402
 
 # (out, in) of every adapted linear of one decoder layer: q, k, v, o, gate, up, down
 MODELS = {

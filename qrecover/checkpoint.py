@@ -1,7 +1,7 @@
 """A qrecover checkpoint on disk: its file names, format version and manifest reader.
 
 A leaf module (it imports nothing of qrecover's but the error type): compression writes checkpoints
-(:mod:`qrecover.stages.write`), loading (:mod:`qrecover.api`), adapters (:mod:`qrecover.recovery.lora`),
+(:mod:`qrecover.stages.write`), loading (:mod:`qrecover.api`), adapters (:mod:`qrecover.adapters.lora`),
 evaluation and export read them, and none of those needs another to know what a checkpoint is.
 """
 

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .adapters.lora import adapter_summary, check_base, peft_from_pretrained
 from .checkpoint import read_packed
 from .errors import QRecoverError
 from .models import load_model, resolve
 from .moe import unfuse_experts
 from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
-from .recovery.lora import adapter_summary, check_base, peft_from_pretrained
 from .transforms.rotate import attach_online
 
 __all__ = ["load", "load_any", "attach_adapter", "check_base"]

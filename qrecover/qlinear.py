@@ -163,7 +163,7 @@ class QuantLinear(_Packed, nn.Linear):
     def set_packed(self, qw: QuantizedWeight) -> None:
         """Replace the packed weight by ``qw`` (same shape ``(out_features, in_features)``; scheme and bits may
         differ): its tensors become the buffers, on this layer's device, and the dense cache is dropped.
-        Used by the PEFT merge (:mod:`qrecover.recovery.peft_quant`)."""
+        Used by the PEFT merge (:mod:`qrecover.adapters.peft_quant`)."""
         if tuple(qw.shape) != self.shape:
             raise QRecoverError(f"packed weight of shape {tuple(qw.shape)} cannot replace this layer's {self.shape}; "
                                 "quantize a weight of the layer's own shape")

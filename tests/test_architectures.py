@@ -401,9 +401,9 @@ def test_calibration_of_experts_no_token_was_routed_to():
 def test_moe_recovery_adapters_reach_every_expert(tok_dir, tmp_path, text_mix):
     """LoRA recovery on a MoE checkpoint: the svd init and distillation run with the teacher's experts converted
     the same way, adapters land on every expert's linears, and the trained adapter reloads with the checkpoint."""
+    from qrecover.adapters.lora import lora_modules
     from qrecover.recovery.api import recover
     from qrecover.recovery.config import RecoverConfig
-    from qrecover.recovery.lora import lora_modules
 
     src = tmp_path / "mixtral"
     _build("mixtral", src, tok_dir)
@@ -442,7 +442,7 @@ def test_experts_left_fused_stay_16_bit_with_a_warning_and_a_budget_hint(tok_dir
 def test_each_layer_input_gives_unreached_experts_the_identity():
     """The svd init and the rank allocation see an expert no token reached as inputs X = I (unweighted); any
     other layer without input is an error naming the fix."""
-    from qrecover.recovery.lora import each_layer_input
+    from qrecover.adapters.svd_init import each_layer_input
 
     class Model(nn.Module):
         def __init__(self):

@@ -59,6 +59,7 @@ def test_help_imports_no_heavy_module(argv):
     (["compress", "--bits", "2,3", "--uniform"], "error: without --bpw, --bits must be a single width (uniform model), got [2, 3]"),
     (["recover", "ckpt", "--rank", "0"], "error: --rank 0 must be a positive integer, e.g. --rank 16"),
     (["recover", "ckpt", "--overwrite", "--resume"], "error: --overwrite and --resume contradict each other; pick one"),
+    (["ppl", "--windows", "0"], "error: --windows 0 and --seq-len 512 must be positive (seq-len at least 2)"),
 ])
 def test_refusal_imports_no_heavy_module(argv, message):
     report, out, err = probe(*argv)

@@ -16,10 +16,10 @@ import torch
 from kernel_helpers import make_layer, ref64, rel_err
 
 from qrecover import kernels
+from qrecover.adapters.lora import attach_lora
 from qrecover.kernels import dispatch
 from qrecover.loading import load
 from qrecover.recovery.config import RecoverConfig
-from qrecover.recovery.lora import attach_lora
 from qrecover.recovery.objective import step_loss
 
 

@@ -12,6 +12,9 @@ import pytest
 import torch
 from cli_helpers import run
 
+from qrecover.adapters.lora import attach_lora, base_identity, lora_modules, save_adapter
+from qrecover.adapters.peft_quant import merge_and_unload
+from qrecover.adapters.svd_init import lowrank_correction
 from qrecover.api import compress
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
@@ -24,8 +27,6 @@ from qrecover.export.merge import calibration_windows
 from qrecover.loading import load
 from qrecover.models import load_model
 from qrecover.qlinear import QuantLinear
-from qrecover.recovery.lora import attach_lora, base_identity, lora_modules, lowrank_correction, save_adapter
-from qrecover.recovery.peft_quant import merge_and_unload
 from qrecover.schemes import get_quantizer
 
 HAS_CT = importlib.util.find_spec("compressed_tensors") is not None

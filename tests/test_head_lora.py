@@ -1,4 +1,4 @@
-"""The output-head adapter (qrecover/recovery/head_lora.py), 8-bit adapter weights and the WSD schedule.
+"""The output-head adapter (qrecover/adapters/head_lora.py), 8-bit adapter weights and the WSD schedule.
 
 Checks that a LoRA on the tied packed head adds exactly ``scaling * (h A^T) B^T`` to the logits (float64 reference
 from the head's own inputs) and nothing to the embedding lookup, that its svd init removes part of the head's
@@ -16,12 +16,13 @@ import math
 import pytest
 import torch
 
+from qrecover.adapters.head_lora import QuantLoraHead, head_config
+from qrecover.adapters.int8 import INT8_FILE, dequantize_rows, expand_int8_file, load_int8, quantize_rows
+from qrecover.adapters.lora import adapter_summary, attach_lora, base_identity, lora_modules, peft_from_pretrained, save_adapter
+from qrecover.adapters.svd_init import init_error_svd
 from qrecover.errors import QRecoverError
 from qrecover.loading import load
-from qrecover.recovery.adapter_int8 import INT8_FILE, dequantize_rows, expand_int8_file, load_int8, quantize_rows
 from qrecover.recovery.config import RecoverConfig
-from qrecover.recovery.head_lora import QuantLoraHead, head_config
-from qrecover.recovery.lora import adapter_summary, attach_lora, base_identity, init_error_svd, lora_modules, peft_from_pretrained, save_adapter
 from qrecover.recovery.schedule import lr_scheduler
 
 # PEFT warns of every layer class it does not know; qrecover's head adapter is made for QuantLMHead: no such warning

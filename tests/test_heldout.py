@@ -1,4 +1,4 @@
-"""Held-out domain texts (qrecover/recovery/heldout.py): pinned sources, deterministic windows, clear errors.
+"""Held-out domain texts (qrecover/evaluate/heldout.py): pinned sources, deterministic windows, clear errors.
 
 Checks that every held-out domain builds the items its pinned sha256 names (a changed builder or package is
 refused), that the windows are deterministic, of the requested shape, start with BOS exactly when the tokenizer adds
@@ -18,10 +18,10 @@ from transformers import AutoTokenizer
 from qrecover import benchdata
 from qrecover.data.corpus import token_windows
 from qrecover.errors import QRecoverError
+from qrecover.evaluate import heldout
+from qrecover.evaluate.heldout import DOMAINS, HELD_OUT, domain_texts, heldout_windows, windows_perplexity
 from qrecover.evaluate.perplexity import perplexity
 from qrecover.models import default_model_dir
-from qrecover.recovery import heldout
-from qrecover.recovery.heldout import DOMAINS, HELD_OUT, domain_texts, heldout_windows, windows_perplexity
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
-"""The package's import graph: no cycles, even through imports written inside functions.
+"""The package's import graph: its paths run one way, bottom to top, with no cycles.
 
-An import placed inside a function hides a cycle from the interpreter but not from the design: two modules
-that need each other share something that belongs in a third, lower one (STYLE.md, 15). This test reads
-every module's source (every ``import``/``from`` statement, at any depth, except under ``TYPE_CHECKING``),
-builds the graph of imports between qrecover's own modules and fails on any cycle, naming it.
+An import placed inside a function, or under ``TYPE_CHECKING``, hides a cycle from the interpreter but not
+from the design: two modules that need each other share something that belongs in a third, lower one
+(STYLE.md, 15). This test reads every module's source (every ``import``/``from`` statement, at any depth,
+``TYPE_CHECKING`` blocks included), builds the graph of imports between qrecover's own modules, and fails on
+any cycle and on any import of a module in a higher layer than the importer's (:data:`LAYERS`), naming the
+module, the import and both layers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,33 @@ from pathlib import Path
 import qrecover
 
 PKG = Path(qrecover.__file__).parent
+
+#: The layers, bottom to top (docs: ARCHITECTURE.md, "Layout: layers, bottom to top"); a module may import its
+#: own layer and the layers below it, never one above. A module belongs to the layer of the longest name listed
+#: here that is the module itself or a package holding it; a new module inside a listed package fits in by
+#: itself, a new top-level module needs a line here (the test names it).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("qrecover._version", "qrecover.errors", "qrecover.fields", "qrecover.registry", "qrecover.packing",
+                "qrecover.io_utils", "qrecover.progress", "qrecover.measure", "qrecover.config", "qrecover.benchdata",
+                "qrecover.recipes", "qrecover.distributed")),
+    # reports.results is the results file format (written by evaluate, read by reports), as checkpoint is the manifest's
+    ("formats", ("qrecover.schemes", "qrecover.qlinear", "qrecover.kernels", "qrecover.checkpoint", "qrecover.moe",
+                 "qrecover.reports.results")),
+    ("models", ("qrecover.models",)),
+    ("data", ("qrecover.data",)),
+    # loading (a checkpoint, with its adapter) sits on the adapters: PEFT integration is how an adapter loads
+    ("algorithms", ("qrecover.transforms", "qrecover.calibrate", "qrecover.sensitivity", "qrecover.allocate",
+                    "qrecover.adapters", "qrecover.loading")),
+    ("stages", ("qrecover.stages", "qrecover.recovery", "qrecover.evaluate")),
+    ("outputs", ("qrecover.reports", "qrecover.export")),
+    # the package itself is the public facade (qrecover.load, qrecover.compress, ... imported on first use)
+    ("entry", ("qrecover", "qrecover.api", "qrecover.pipeline", "qrecover.cli")),
+]
+
+#: Upward imports that are known and being removed, ``(importer, imported): why``. An entry whose import is
+#: gone fails the test too, so the list only shrinks.
+PENDING: dict[tuple[str, str], str] = {
+}
 
 
 def module_name(path: Path) -> str:
@@ -41,17 +70,15 @@ def known(name: str) -> str | None:
 
 
 def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    me = module_name(path)
+    return imports_in(path.read_text(), module_name(path))
+
+
+def imports_in(source: str, me: str) -> set[str]:
+    """The qrecover modules that the source of module ``me`` imports (any depth, TYPE_CHECKING included)."""
+    tree = ast.parse(source)
     pkg = me if is_package(me) else me.rpartition(".")[0]
-    skip: set[int] = set()
-    for node in ast.walk(tree):  # `if TYPE_CHECKING:` blocks are not imports at run time
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip |= {id(n) for b in node.body for n in ast.walk(b)}
     out: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` blocks too: a type-only import is still a dependency
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -97,6 +124,53 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
         if state.get(n) is None and (c := visit(n)):
             return c
     return None
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    """``(index, name)`` of ``module``'s layer in :data:`LAYERS` (longest listed prefix), or None if unlisted."""
+    best: tuple[int, int, str] | None = None
+    for i, (layer, names) in enumerate(LAYERS):
+        for n in names:
+            fits = module == n or (n != "qrecover" and module.startswith(n + "."))
+            if fits and (best is None or len(n) > best[0]):
+                best = (len(n), i, layer)
+    return None if best is None else (best[1], best[2])
+
+
+def upward_imports(g: dict[str, set[str]]) -> list[str]:
+    """One line per import of a module in a higher layer than its importer's."""
+    out = []
+    for mod in sorted(g):
+        lo = layer_of(mod)
+        for dep in sorted(g[mod]):
+            hi = layer_of(dep)
+            if lo is not None and hi is not None and hi[0] > lo[0]:
+                out.append(f"{mod} (layer {lo[0] + 1} {lo[1]}) imports {dep} (layer {hi[0] + 1} {hi[1]})")
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    unlisted = sorted(m for m in graph() if layer_of(m) is None)
+    assert not unlisted, f"modules in no layer: {unlisted}; add each to LAYERS in tests/test_imports.py"
+
+
+def test_imports_run_down_the_layers():
+    g = graph()
+    gone = [k for k in PENDING if k[1] not in g.get(k[0], set())]
+    assert not gone, f"PENDING lists imports that are gone: {gone}; remove them from tests/test_imports.py"
+    new = [line for line in upward_imports(g) if not any(line.startswith(f"{a} (") and f" imports {b} (" in line for a, b in PENDING)]
+    assert not new, "upward imports (a module may import only its own layer and those below):\n" + "\n".join(new)
+
+
+def test_layer_check_finds_a_planted_upward_import():
+    """The check names the module, the import and both layers, and a TYPE_CHECKING import counts."""
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..api import compress\n"
+    g = {"qrecover.data.source": imports_in(typed, "qrecover.data.source"), "qrecover.api": {"qrecover.errors"}}
+    assert g["qrecover.data.source"] == {"qrecover.api"}
+    assert upward_imports(g) == ["qrecover.data.source (layer 4 data) imports qrecover.api (layer 8 entry)"]
+    assert layer_of("qrecover.data.mix") == (3, "data") and layer_of("qrecover") == (7, "entry")
+    assert layer_of("qrecover.adapters.svd_init") == (4, "algorithms") and layer_of("qrecover.nowhere") is None
+    assert layer_of("qrecover.reports.results") == (1, "formats") and layer_of("qrecover.reports.table") == (6, "outputs")
 
 
 def test_graph_is_read():

@@ -1,4 +1,4 @@
-"""Merging a LoRA adapter into qrecover's packed weights (qrecover.recovery.peft_quant).
+"""Merging a LoRA adapter into qrecover's packed weights (qrecover.adapters.peft_quant).
 
 Before: ``merge_and_unload()`` added the delta to ``QuantLinear.weight``, a dequantized copy, and returned the
 base model unchanged. Checks that every PEFT path (``attach_lora``, ``get_peft_model`` with a registered config,
@@ -21,11 +21,11 @@ import torch.nn as nn
 from conftest import build_tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from qrecover.adapters.lora import attach_lora, base_identity, load_adapter, lora_modules, quantized_targets, save_adapter
+from qrecover.adapters.peft_quant import MERGE_WARNING, QuantLoraLinear, collect_merge_stats, merge_and_unload, register_quant_lora, requantize
 from qrecover.errors import QRecoverError
 from qrecover.loading import load
 from qrecover.qlinear import QuantLinear
-from qrecover.recovery.lora import attach_lora, base_identity, load_adapter, lora_modules, quantized_targets, save_adapter
-from qrecover.recovery.peft_quant import MERGE_WARNING, QuantLoraLinear, collect_merge_stats, merge_and_unload, register_quant_lora, requantize
 from qrecover.schemes import QuantizedWeight, get_quantizer, register_quantizer
 from qrecover.schemes.blockwise import Blockwise, BlockwiseConfig
 
@@ -169,7 +169,7 @@ def test_merged_model_state_reloads_into_a_fresh_checkpoint_model(tiny_ckpt):
 def test_merge_logs_the_per_layer_cost(tiny_ckpt, caplog):
     peft_model = _random_lora(load(tiny_ckpt))
     collect_merge_stats(peft_model, CALIB)
-    with caplog.at_level(logging.INFO, logger="qrecover.recovery.peft_quant"), pytest.warns(UserWarning) as record:
+    with caplog.at_level(logging.INFO, logger="qrecover.adapters.peft_quant"), pytest.warns(UserWarning) as record:
         peft_model.merge_adapter()
     assert any(str(w.message) == MERGE_WARNING for w in record)
     lines = [r.getMessage() for r in caplog.records if "re-quantization error" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Rank per layer under an adapter budget (qrecover/recovery/rank_alloc.py): the spectra against float64 SVDs, the
+"""Rank per layer under an adapter budget (qrecover/adapters/rank_alloc.py): the spectra against float64 SVDs, the
 greedy allocation against brute force, the budget, and an end-to-end recover run whose adapter plain PEFT reads."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
+from qrecover.adapters.lora import attach_lora, lora_modules
+from qrecover.adapters.rank_alloc import allocate_ranks, damage_ranks, top_spectrum
+from qrecover.adapters.svd_init import lowrank_correction
 from qrecover.errors import QRecoverError
 from qrecover.loading import load
-from qrecover.recovery.lora import attach_lora, lora_modules, lowrank_correction
-from qrecover.recovery.rank_alloc import allocate_ranks, damage_ranks, top_spectrum
 
 
 def _weighted_svd(error: torch.Tensor, x: torch.Tensor, damp: float = 0.01) -> torch.Tensor:

@@ -21,12 +21,13 @@ import pytest
 import torch
 from cli_helpers import run as cli
 
+from qrecover.adapters.lora import attach_lora
+from qrecover.adapters.svd_init import init_error_svd, lowrank_correction
 from qrecover.errors import QRecoverError
 from qrecover.loading import load
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery.api import finetune, init_feature_model, recover
 from qrecover.recovery.config import RecoverConfig
-from qrecover.recovery.lora import attach_lora, init_error_svd, lowrank_correction
 from qrecover.recovery.train import NonFiniteLoss, latest_checkpoint, mixed_precision, native_bf16
 
 # tiny and fast: 64-token sequences, 2 per step

@@ -1,4 +1,4 @@
-"""The adapters' SVD initialisation at scale (qrecover/recovery/lora.py): the randomized path against the exact one.
+"""The adapters' SVD initialisation at scale (qrecover/adapters/svd_init.py): the randomized path against the exact one.
 
 The exact path (a float64 eigendecomposition of ``H`` and a full SVD, cubic in the width) is the Eckart-Young optimum
 in the input norm; the randomized one (subspace iteration on ``E H E^T``, float32, products only) must come within
@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qrecover.adapters import svd_init
+from qrecover.adapters.lora import attach_lora, lora_modules
+from qrecover.adapters.svd_init import best_correction, init_error_svd, lowrank_correction, randomized_correction
 from qrecover.calibrate import input_moments
 from qrecover.loading import load
-from qrecover.recovery import lora
-from qrecover.recovery.lora import attach_lora, best_correction, init_error_svd, lora_modules, lowrank_correction, randomized_correction
 
 
 def _layer(out_f, in_f, decay, seed=0, tokens=1024):
@@ -103,7 +104,7 @@ def test_best_correction_is_exact_for_narrow_layers_and_randomized_for_wide(monk
     exact = lowrank_correction(e, gram, 4, 2.0)
     auto = best_correction(e, 4, 2.0, inputs=x)
     assert all(torch.allclose(p, q, atol=1e-10) for p, q in zip(exact, auto))
-    monkeypatch.setattr(lora, "EXACT_MAX_WIDTH", 64)
+    monkeypatch.setattr(svd_init, "EXACT_MAX_WIDTH", 64)
     wide = best_correction(e.float(), 4, 2.0, inputs=x.float())
     assert all(torch.equal(p, q) for p, q in zip(wide, randomized_correction(e.float(), 4, 2.0, inputs=x.float())))
     with pytest.raises(Exception, match="svd init method 'qr'"):
@@ -176,7 +177,7 @@ def test_randomized_rank_r_part_is_close_to_the_float64_full_svd(out_f, in_f):
 def test_batched_layers_equal_one_at_a_time():
     (e1, x), (e2, _), (e3, _) = _layer(96, 64, 1.0), _layer(32, 64, 0.8, seed=1), _layer(32, 64, 1.2, seed=2)
     errors = [e.float() for e in (e1, e2, e3)]
-    many = lora.randomized_corrections(errors, [4, 6, 4], [2.0, 1.0, 2.0], inputs=x.float())
+    many = svd_init.randomized_corrections(errors, [4, 6, 4], [2.0, 1.0, 2.0], inputs=x.float())
     for e, r, s, (b, a) in zip(errors, [4, 6, 4], [2.0, 1.0, 2.0], many):
         b1, a1 = randomized_correction(e, r, s, inputs=x.float())
         assert b.shape == (e.shape[0], r) and a.shape == (r, 64)
@@ -184,9 +185,9 @@ def test_batched_layers_equal_one_at_a_time():
 
 
 def test_auto_is_randomized_off_the_cpu_and_exact_on_it_for_narrow_layers():
-    assert lora.exact_here(torch.empty(64, 96), "auto")
-    assert not lora.exact_here(torch.empty(64, 96, device="meta"), "auto")  # a GPU's case: no float64 SVD there
-    assert not lora.exact_here(torch.empty(64, lora.EXACT_MAX_WIDTH + 1), "auto")
-    assert lora.exact_here(torch.empty(64, 96, device="meta"), "exact")
+    assert svd_init.exact_here(torch.empty(64, 96), "auto")
+    assert not svd_init.exact_here(torch.empty(64, 96, device="meta"), "auto")  # a GPU's case: no float64 SVD there
+    assert not svd_init.exact_here(torch.empty(64, svd_init.EXACT_MAX_WIDTH + 1), "auto")
+    assert svd_init.exact_here(torch.empty(64, 96, device="meta"), "exact")
     with pytest.raises(Exception, match="svd init method 'qr'"):
-        lora.exact_here(torch.empty(2, 2), "qr")
+        svd_init.exact_here(torch.empty(2, 2), "qr")

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import QRecoverError
 from .common import AdapterOpt, AllowForeignOpt, JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
@@ -28,12 +29,11 @@ def ppl(
     json_out: bool = JsonOpt,
 ) -> None:
     """Perplexity on held-out text under a fixed protocol (windows x seq-len tokens of the eval split)."""
-    from ..errors import QRecoverError
+    if windows <= 0 or seq_len <= 1:
+        raise QRecoverError(f"--windows {windows} and --seq-len {seq_len} must be positive (seq-len at least 2)")
     from ..evaluate.perplexity import perplexity  # lazy (and load_any): torch and transformers take seconds to import
     from ..loading import load_any
 
-    if windows <= 0 or seq_len <= 1:
-        raise QRecoverError(f"--windows {windows} and --seq-len {seq_len} must be positive (seq-len at least 2)")
     m, tok, meta = load_any(model, adapter=adapter, allow_foreign_adapter=allow_foreign_adapter)
     r = perplexity(m, tok, data, windows, seq_len, show_progress=not json_out)
     r.update(model=meta["path"], kind=meta["kind"], measured_bpw=meta["measured_bpw"], adapter=meta["adapter"])

@@ -106,7 +106,7 @@ def recover(
                              decay_fraction=decay_fraction, adapter_bits=adapter_bits, log_every=log_every,
                              compile_layers=compile_layers) for r in rank_list]
     # the options are valid: now the heavy modules (torch, transformers, peft; seconds to import)
-    from ..recovery.api import read_mix_or_data
+    from ..recovery.api import read_mix_or_data  # lazy (both): torch, transformers, peft take seconds to import
     from ..recovery.api import recover as run
 
     read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads

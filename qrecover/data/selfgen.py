@@ -212,6 +212,49 @@ def _generate(model: torch.nn.Module, tokenizer: Any, conversations: list[list[d
     return out  # type: ignore[return-value]
 
 
+def _plan(topics: list[str], types: Any, n: int) -> list[tuple[str, str, str, str]]:
+    """``n`` requests ``(topic, kind, description, request)``: instruction types and topics in turn."""
+    plan = []
+    for i in range(n):
+        kind, description, template = types[i % len(types)]
+        topic = topics[i % len(topics)]
+        plan.append((topic, kind, description.format(topic=topic), template.format(topic=topic)))
+    return plan
+
+
+def _converse(model: Any, tokenizer: Any, plan: list[tuple[str, str, str, str]], prompt_mode: str, prompt_max_new_tokens: int,
+              max_new_tokens: int, temperature: float, top_p: float, seed: int, batch_size: int, show_progress: bool,
+              model_name: str) -> tuple[list[str], list[str], list[tuple[str, bool]]]:
+    """The requests (templates, or written by the model in 'model' mode) and the model's answers to them:
+    ``(prompts, prompt sources, [(answer, finished)])``, one per ``plan`` entry ``(topic, kind, description, template)``."""
+    n = len(plan)
+    with steps(show_progress, f"self-generate {n} chats ({model_name})", n * (2 if prompt_mode == "model" else 1)) as advance:
+        prompts, sources = [template for *_, template in plan], ["template"] * n
+        if prompt_mode == "model":
+            metas = [[{"role": "user", "content": META_PROMPT.format(description=d)}] for _, _, d, _ in plan]
+            written = _generate(model, tokenizer, metas, prompt_max_new_tokens, temperature, top_p, seed, batch_size, advance)
+            for i, (text, _) in enumerate(written):
+                p = _clean_prompt(text)
+                if len(p.split()) >= 4:
+                    prompts[i], sources[i] = p, "model"
+        answers = _generate(model, tokenizer, [[{"role": "user", "content": p}] for p in prompts], max_new_tokens,
+                            temperature, top_p, seed + 1, batch_size, advance)
+    return prompts, sources, answers
+
+
+def _rows(plan: list[tuple[str, str, str, str]], prompts: list[str], sources: list[str],
+          answers: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+    """The jsonl rows: one user/assistant chat each (an answer cut at the cap marked ``truncated``)."""
+    rows = []
+    for i, ((topic, kind, _, _), prompt, src, (answer, finished)) in enumerate(zip(plan, prompts, sources, answers)):
+        reply: dict[str, Any] = {"role": "assistant", "content": answer}
+        if not finished:
+            reply["truncated"] = True
+        rows.append({"messages": [{"role": "user", "content": prompt}, reply], "topic": topic,
+                     "instruction_type": kind, "prompt_source": src, "id": i})
+    return rows
+
+
 def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n: int = 256, seed: int = 0,
                        max_new_tokens: int = 192, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
                        prompt_max_new_tokens: int = 64, prompt_mode: str = "template", topics_source: str = "python-docs",
@@ -266,7 +309,6 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     if is_module:
         model = model_spec_or_model
     else:
-
         model, loaded_tok, _ = load_model(None if model_spec_or_model is None else str(model_spec_or_model))
         tokenizer = tokenizer or loaded_tok
     if getattr(tokenizer, "chat_template", None) is None:
@@ -274,33 +316,11 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
     was_training = model.training
     model.eval()
 
-    plan = []
-    for i in range(n):
-        kind, description, template = types[i % len(types)]
-        topic = topics[i % len(topics)]
-        plan.append((topic, kind, description.format(topic=topic), template.format(topic=topic)))
-
-
-    with steps(show_progress, f"self-generate {n} chats ({model_name})", n * (2 if prompt_mode == "model" else 1)) as advance:
-        prompts, sources = [template for *_, template in plan], ["template"] * n
-        if prompt_mode == "model":
-            metas = [[{"role": "user", "content": META_PROMPT.format(description=d)}] for _, _, d, _ in plan]
-            written = _generate(model, tokenizer, metas, prompt_max_new_tokens, temperature, top_p, seed, batch_size, advance)
-            for i, (text, _) in enumerate(written):
-                p = _clean_prompt(text)
-                if len(p.split()) >= 4:
-                    prompts[i], sources[i] = p, "model"
-        answers = _generate(model, tokenizer, [[{"role": "user", "content": p}] for p in prompts], max_new_tokens,
-                            temperature, top_p, seed + 1, batch_size, advance)
+    plan = _plan(topics, types, n)
+    prompts, sources, answers = _converse(model, tokenizer, plan, prompt_mode, prompt_max_new_tokens, max_new_tokens,
+                                          temperature, top_p, seed, batch_size, show_progress, model_name)
     model.train(was_training)
-
-    rows = []
-    for i, ((topic, kind, _, _), prompt, src, (answer, finished)) in enumerate(zip(plan, prompts, sources, answers)):
-        reply: dict[str, Any] = {"role": "assistant", "content": answer}
-        if not finished:
-            reply["truncated"] = True
-        rows.append({"messages": [{"role": "user", "content": prompt}, reply], "topic": topic,
-                     "instruction_type": kind, "prompt_source": src, "id": i})
+    rows = _rows(plan, prompts, sources, answers)
     meta = {"model": {"name": model_name, "weights_sha256": weights_sha,
                       "spec": None if is_module or model_spec_or_model is None else str(model_spec_or_model)},
             "settings": settings, "decoding": decoding, "rows": len(rows),

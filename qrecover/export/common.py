@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from ..adapters.lora import check_base
 from ..checkpoint import read_packed
 from ..errors import QRecoverError
 from ..io_utils import sha256_file
 from ..packing import unpack
-from ..recovery.lora import check_base
 from ..schemes import QuantizedWeight, get_quantizer
 
 #: schemes whose stored tensors have blockwise's layout (qdata / scale / zero_point, w = scale * (q - zp))

@@ -1,7 +1,7 @@
 """``--merge-adapter``: a recovery adapter merged into the checkpoint's packed weights, with the measured cost.
 
 The checkpoint is loaded with its adapter (``qrecover.load(checkpoint, adapter=...)``), merged by
-:func:`qrecover.recovery.peft_quant.merge_and_unload` (every adapted layer re-quantized with its own encoding;
+:func:`qrecover.adapters.peft_quant.merge_and_unload` (every adapted layer re-quantized with its own encoding;
 palettize needs calibration statistics, collected on :func:`calibration_windows`: the checkpoint's own calibration
 text, ``n`` windows of its calibration length), and the merged packed layers replace the checkpoint's in the
 :class:`~qrecover.export.common.Checkpoint` handed to the format writer.
@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..adapters.lora import lora_modules
+from ..adapters.peft_quant import merge_and_unload
 from ..checkpoint import source_model_spec
 from ..data.mix import calibration_windows as source_windows
 from ..errors import QRecoverError
@@ -34,8 +36,6 @@ from ..evaluate.perplexity import perplexity
 from ..loading import load
 from ..models import load_model
 from ..qlinear import QuantLinear
-from ..recovery.lora import lora_modules
-from ..recovery.peft_quant import merge_and_unload
 from .common import Checkpoint
 
 COST_SEQ_LEN = 512
@@ -80,7 +80,7 @@ def merged_checkpoint(ckpt: Checkpoint, adapter: str | Path, merge_windows: int 
 
     The report: ``cost`` (``base`` / ``unmerged`` / ``merged``: ``ppl``, ``nll`` and, with the unquantized model
     here, ``kl``; ``kept``: the fraction of the adapter's gain that survives), ``layers`` (per merged layer:
-    ``requant_rel``, ``requant_vs_delta``, ``kept_original`` from :class:`~qrecover.recovery.peft_quant.QuantLoraLinear`),
+    ``requant_rel``, ``requant_vs_delta``, ``kept_original`` from :class:`~qrecover.adapters.peft_quant.QuantLoraLinear`),
     and the windows used. The adapter must have been checked against ``ckpt`` already.
     """
     from transformers import AutoTokenizer

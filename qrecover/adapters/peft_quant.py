@@ -6,7 +6,7 @@ dense cache): ``merge_and_unload()`` returned the base model. :class:`QuantLoraL
 builds for a ``QuantLinear`` instead, registered through PEFT's custom-module extension point
 (``LoraConfig._register_custom_module``, the same dispatch mechanism as its HQQ/torchao backends):
 :func:`register_quant_lora` on a config makes ``get_peft_model`` and ``PeftModel.from_pretrained(...,
-config=...)`` use it. :func:`~qrecover.recovery.lora.attach_lora`, :func:`~qrecover.recovery.lora.load_adapter`
+config=...)`` use it. :func:`~qrecover.adapters.lora.attach_lora`, :func:`~qrecover.adapters.lora.load_adapter`
 and ``qrecover.load(..., adapter=...)`` do this for you; a config of your own needs the call.
 
 Training and the unmerged forward are PEFT's ``lora.Linear`` unchanged: ``base(x) + scaling * B(A(x))``,
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 MERGE_WARNING = (
     "merging a LoRA adapter into qrecover's packed weights re-quantizes each layer: the merged model differs from "
     "the unmerged adapter by that re-quantization error, of the size of the quantization error the adapter corrects "
-    "(see qrecover.recovery.peft_quant.QuantLoraLinear). Keep the adapter unmerged for exact outputs; per-layer "
-    "errors are logged at INFO by qrecover.recovery.peft_quant"
+    "(see qrecover.adapters.peft_quant.QuantLoraLinear). Keep the adapter unmerged for exact outputs; per-layer "
+    "errors are logged at INFO by qrecover.adapters.peft_quant"
 )
 
 
@@ -62,7 +62,7 @@ def requantize(qw: QuantizedWeight, weight: torch.Tensor, stats: dict[str, torch
         raise QRecoverError(
             f"scheme {qw.scheme!r} re-quantizes a merged weight with the calibration statistics {missing}, which were "
             "not given (without them a 3.7 bpw SmolLM2-135M went from perplexity 36 to millions); merge with "
-            "qrecover.recovery.peft_quant.merge_and_unload(peft_model, windows), which collects them, or keep the "
+            "qrecover.adapters.peft_quant.merge_and_unload(peft_model, windows), which collects them, or keep the "
             "adapter unmerged (the PeftModel computes base + adapter exactly)")
     try:
         return quantizer.quantize(weight.detach().float().cpu(), qw.bits, stats)
