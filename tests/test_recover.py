@@ -21,7 +21,9 @@ import pytest
 import torch
 from cli_helpers import run as cli
 
-from qrecover.adapters.lora import attach_lora
+import qrecover.loading
+import qrecover.recovery.api
+from qrecover.adapters.lora import attach_lora, check_base
 from qrecover.adapters.svd_init import init_error_svd, lowrank_correction
 from qrecover.errors import QRecoverError
 from qrecover.loading import load
@@ -247,8 +249,17 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tiny_ckpt, text_mi
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
 
 
-def test_feature_adapter_starts_from_recovery_adapter(adapter_dir, tiny_ckpt, tmp_path):
+def test_feature_adapter_starts_from_recovery_adapter(adapter_dir, tiny_ckpt, tmp_path, monkeypatch):
+    checks = []  # (adapter, checkpoint) of every base-identity check, wherever it is called from
+
+    def counted(adapter, checkpoint, allow_foreign=False):
+        checks.append((str(adapter), str(checkpoint)))
+        return check_base(adapter, checkpoint, allow_foreign)
+
+    for module in (qrecover.loading, qrecover.recovery.api):
+        monkeypatch.setattr(module, "check_base", counted)
     model = init_feature_model(tiny_ckpt, adapter_dir)
+    assert len(checks) == 1
     recovery = _lora_params(load(tiny_ckpt, adapter=adapter_dir))
     start = _lora_params(model)
     assert recovery.keys() == start.keys()
@@ -261,8 +272,11 @@ def test_feature_adapter_starts_from_recovery_adapter(adapter_dir, tiny_ckpt, tm
                           {"role": "assistant", "content": f"Item {i} is short and sweet."}]} for i in range(20)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = RecoverConfig(tokens=64 * 2 * 2, **FAST)
+    checks.clear()
     meta = finetune(tiny_ckpt, adapter_dir, str(data), tmp_path / "feature", cfg, show_progress=False)
     assert meta["rank"] == 4 and meta["init_adapter"] == str(adapter_dir.resolve())
+    # the pair's base is checked once along finetune's path (it was 3 times: finetune, init_feature_model, load_adapter)
+    assert len(checks) == 1 and checks[0][0] == str(adapter_dir) and Path(checks[0][1]).resolve() == Path(tiny_ckpt).resolve()
     tuned = _lora_params(load(tiny_ckpt, adapter=tmp_path / "feature"))
     assert any(not torch.equal(tuned[n], start[n]) for n in start)
 
