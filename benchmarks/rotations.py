@@ -37,7 +37,7 @@ def _cpu() -> float:
 def score(kind: str, bits: int, windows: torch.Tensor) -> dict:
     """Perplexity of the ``kind``-rotated default model with RTN decoder linears; ``windows (n, 512)``."""
     from qrecover.models import decoder_layers, linear_layers, load_model
-    from qrecover.recovery.heldout import windows_perplexity
+    from qrecover.evaluate.heldout import windows_perplexity
     from qrecover.schemes import get_quantizer
     from qrecover.transforms import get_transform
 
