@@ -36,8 +36,8 @@ def _cpu() -> float:
 @torch.no_grad()
 def score(kind: str, bits: int, windows: torch.Tensor) -> dict:
     """Perplexity of the ``kind``-rotated default model with RTN decoder linears; ``windows (n, 512)``."""
-    from qrecover.models import decoder_layers, linear_layers, load_model
     from qrecover.evaluate.heldout import windows_perplexity
+    from qrecover.models import decoder_layers, linear_layers, load_model
     from qrecover.schemes import get_quantizer
     from qrecover.transforms import get_transform
 
