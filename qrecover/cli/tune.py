@@ -62,7 +62,7 @@ def tune(
     json_out: bool = JsonOpt,
 ) -> None:
     """Train a checkpoint's continuous quantization parameters with distillation, codes frozen: zero extra bytes."""
-    from ..recovery.tune import tune as run
+    from ..recovery.tune import tune as run  # lazy: torch, transformers, peft take seconds to import
 
     mix = training_data(mix, data, overwrite, resume)
     cfg = TuneConfig(params=params, tokens=tokens, mix=None if mix is None else str(mix), objective=objective, lr=lr,
