@@ -22,7 +22,7 @@ from qrecover.data.decontam import EvalSet, build_index
 from qrecover.data.mix import MixLoader, encode_document
 from qrecover.data.mix_recipe import load_mix
 from qrecover.data.prepare import prepare_data
-from qrecover.data.shards import ShardLoader, read_manifest
+from qrecover.data.shards import ShardLoader, read_data_manifest
 from qrecover.errors import QRecoverError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -137,7 +137,7 @@ def stored(out: Path, row: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def test_shards_equal_direct_tokenization(prepared, tok):
     recipe, out = prepared
-    m = read_manifest(out)
+    m = read_data_manifest(out)
     ref = direct(recipe, tok)
     assert m["dtype"] == "uint16" and [s["name"] for s in m["sources"]] == ["docs", "chat", "web jsonl", "web-parquet"]
     assert m["mix"] == load_mix(recipe).to_dict() and m["decontamination"] is None
@@ -159,7 +159,7 @@ def test_shards_equal_direct_tokenization(prepared, tok):
 def test_workers_write_identical_bytes(prepared, tok, tmp_path):
     recipe, out1 = prepared
     prepare_data(recipe, tmp_path / "w2", tokenizer=tok, workers=2, shard_tokens=300, decontaminate=False, show_progress=False)
-    m1, m2 = read_manifest(out1), read_manifest(tmp_path / "w2")
+    m1, m2 = read_data_manifest(out1), read_data_manifest(tmp_path / "w2")
     files = lambda m: [(f["path"], f["sha256"]) for s in m["sources"]  # noqa: E731
                        for f in [s["documents_file"]] + [x for sh in s["shards"] for x in (sh["tokens"], sh["mask"])]]
     assert files(m1) == files(m2) and m1["data_id"] == m2["data_id"] and m2["stats"]["workers"] == 2
@@ -274,7 +274,7 @@ def test_resume_is_exact_on_any_world(prepared, tok):
 
 def test_other_tokenizer_refused(prepared):
     _, out = prepared
-    fp = read_manifest(out)["tokenizer"]["fingerprint"]
+    fp = read_data_manifest(out)["tokenizer"]["fingerprint"]
     with pytest.raises(QRecoverError) as e:
         ShardLoader(out, CharTok(), seq_len=32)
     msg = str(e.value)
@@ -287,7 +287,7 @@ def test_truncated_or_corrupted_shard_detected(prepared, tok, tmp_path):
     _, out = prepared
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
-    row = read_manifest(bad)["sources"][2]
+    row = read_data_manifest(bad)["sources"][2]
     path = bad / row["shards"][1]["tokens"]["path"]
     data = path.read_bytes()
     path.write_bytes(data[:-6])
@@ -325,7 +325,7 @@ def test_cli_prepare_and_bad_mix(prepared, tiny_model_dir, tmp_path, capsys):
                           "--shard-tokens", "300", "--no-decontaminate", "--json"], capsys)
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["data_id"] == read_manifest(ref)["data_id"] and summary["sources"]["chat"]["shards"] >= 2
+    assert summary["data_id"] == read_data_manifest(ref)["data_id"] and summary["sources"]["chat"]["shards"] >= 2
     code, _, err = run(["data", "prepare", recipe, "--out", tmp_path / "cli", "--model", tiny_model_dir], capsys)
     assert code == 2 and "already exists; pass --overwrite" in err
     code, _, err = run(["data", "prepare", tmp_path / "nope.toml", "--out", tmp_path / "x"], capsys)
@@ -387,7 +387,7 @@ def test_recover_trains_from_prepared_data(prepared, tiny_ckpt, tmp_path, capsys
                         "--objective", "ce", "--init", "zero", "--no-decontaminate", "--out", out, "--json"], capsys)
     assert code == 0, err
     report = json.loads((out / "data_report.json").read_text())
-    assert report["kind"] == "shards" and report["sequences"] == 4 and report["data_id"] == read_manifest(data)["data_id"]
+    assert report["kind"] == "shards" and report["sequences"] == 4 and report["data_id"] == read_data_manifest(data)["data_id"]
     code, _, err = run(["recover", tiny_ckpt, "--data", data, "--tokens", "128", "--out", tmp_path / "l2"], capsys)
     assert code == 2 and "--no-decontaminate" in err and not (tmp_path / "l2").exists()
     other = tmp_path / "chartok"

@@ -77,7 +77,7 @@ def data_id(manifest: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
+def read_data_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a prepared directory, format and version checked; QRecoverError naming the fix otherwise."""
     d = Path(data_dir).expanduser()
     path = d / MANIFEST
@@ -166,7 +166,7 @@ class ShardLoader:
     def __init__(self, data_dir: str | os.PathLike, tokenizer: Any = None, seq_len: int = 512, total_tokens: int | None = None,
                  seed: int = 0, verify: str = "size"):
         self.data_dir = Path(data_dir).expanduser()
-        self.manifest = read_manifest(self.data_dir)
+        self.manifest = read_data_manifest(self.data_dir)
         if tokenizer is not None:
             check_tokenizer(self.manifest, tokenizer, self.data_dir)
         if verify not in VERIFY:
@@ -302,4 +302,4 @@ class ShardLoader:
         self._streams.clear()
 
 
-__all__ = ["ShardLoader", "is_prepared", "read_manifest", "check_tokenizer", "data_id", "FORMAT", "FORMAT_VERSION", "MANIFEST"]
+__all__ = ["ShardLoader", "is_prepared", "read_data_manifest", "check_tokenizer", "data_id", "FORMAT", "FORMAT_VERSION", "MANIFEST"]

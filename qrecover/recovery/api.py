@@ -37,8 +37,7 @@ from ..adapters.svd_init import init_device, init_error_svd
 from ..checkpoint import read_manifest, source_model_spec
 from ..data.mix import MixLoader, calibration_windows
 from ..data.mix_recipe import Mix, load_mix, single_source_mix
-from ..data.shards import ShardLoader, check_tokenizer, is_prepared
-from ..data.shards import read_manifest as read_data_manifest
+from ..data.shards import ShardLoader, check_tokenizer, is_prepared, read_data_manifest
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
