@@ -62,3 +62,12 @@ def test_occupancy_sm90_limits():
     assert isa.occupancy_sm90(64, 0, 4) == 32 / 64      # 2048 a warp: 32 warps
     assert isa.occupancy_sm90(32, 0, 4) == 1.0          # 1024 a warp: all 64 warp slots
     assert isa.occupancy_sm90(128, 100 * 1024, 4) == 8 / 64  # shared memory: two blocks of 101 KB
+
+
+def test_pipe_ceiling_picks_the_slowest_pipe():
+    pw = {k: 0.0 for k in isa.KINDS} | {"total": 4.0, "integer": 2.0, "float": 1.0, "convert": 1.0}
+    assert isa.weights_per_clock_sm90(pw) == (16.0, "convert")  # one quarter-rate convert per weight
+    pw["convert"] = 0.0
+    assert isa.weights_per_clock_sm90(pw) == (32.0, "issue")  # 4 instructions at 128 a clock; integer 2/64 ties
+    pw["integer"] = 3.0
+    assert isa.weights_per_clock_sm90(pw) == (64 / 3, "integer")

@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"triton {triton.__version__}, sm_{args.arch}")
     if args.isa:
         kinds = [k for k in isa.KINDS if k != "barrier"]
-        print(f"| kernel | regs | spill B | occupancy | loop instrs | per weight: {' | '.join(kinds)} | total |")
-        print("|---" * (6 + len(kinds)) + "|")
+        print(f"| kernel | regs | spill B | occupancy | loop instrs | per weight: {' | '.join(kinds)} | total | "
+              "weights/clk/SM ceiling (pipe) |")
+        print("|---" * (7 + len(kinds)) + "|")
     else:
         print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
     level = "all" if args.all else "smoke" if args.smoke else "default"
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             row = isa_row(kernel, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
             occ = isa.occupancy_sm90(r.get("REG", 0), kernel.metadata.shared, opts["num_warps"])
             print(f"| {label} | {r.get('REG')} | {r.get('STACK')} | {occ:.0%} | {row['loop']} | "
-                  + " | ".join(f"{row[k]:.2f}" for k in kinds) + f" | **{row['total']:.2f}** |")
+                  + " | ".join(f"{row[k]:.2f}" for k in kinds) + f" | **{row['total']:.2f}** | "
+                  + "{:.1f} ({})".format(*isa.weights_per_clock_sm90(row)) + " |")
         else:
             print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
     if args.isa:

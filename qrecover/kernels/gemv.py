@@ -12,8 +12,9 @@ shuffles), and each tile is reduced across lanes. Here:
 - palettize tables are read through L1 with one load per weight, or, after a one-time repack at load
   (:func:`kernel_tables`), one 64-bit load of an fp32 *pair* per two weights (2- and 4-bit: a byte of the
   packed word indexes a 256-entry table of value pairs, FLUTE's trick);
-- blockwise: the tile lies in one block, so ``sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)``: one
-  convert and one FMA per weight, the scale applied once per word;
+- blockwise: the tile lies in one block, so ``sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)``: one FMA
+  per weight, the scale applied once per word; the code becomes a float through its bits (``2**23 + c``, minus
+  ``2**23``: exact), a full-rate add instead of a quarter-rate ``I2F``;
 - the accumulator keeps the word axis and is reduced across lanes once, after the loop.
 
 The packed codes are read in place (no repack of ``qdata``). Shapes: ``x (M, K)``, ``qdata`` as ``int32`` words
@@ -38,8 +39,8 @@ def _acc_code(part, x_ptr, xrow, kw, c, tbase, lut_ptr, SCHEME: tl.constexpr, LU
     xv = tl.load(x_ptr + xrow[:, None] + kw[None, :]).to(tl.float32)
     if SCHEME == 0:
         v = tl.load(lut_ptr + tbase[:, None] * (1 << BITS) + c).to(tl.float32)
-    else:
-        v = c.to(tl.float32)
+    else:  # the float 2**23 + c by its bits, minus 2**23: exact, and a full-rate add instead of a quarter-rate I2F
+        v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     return part + xv[:, None, :] * v[None, :, :]
 
 

@@ -116,6 +116,23 @@ def per_weight(counts: Counter, num_warps: int, weights_per_iter: int) -> dict[s
     return out
 
 
+#: results per clock per SM on sm_90 by kind (CUDA programming guide's throughput table): issue 4 warps x 32 lanes;
+#: fp32 add/mul/fma 128; integer add/logic/shift/compare 64; conversions 16; shuffles and load/store units 32
+SM90_RATES = {"issue": 128, "float": 128, "integer": 64, "convert": 16, "shuffle": 32, "lsu": 32}
+
+
+def weights_per_clock_sm90(pw: dict[str, float]) -> tuple[float, str]:
+    """``(weights per clock per SM, limiting pipe)`` from :func:`per_weight`'s counts: the slowest of issue, fp32,
+    integer, conversion, shuffle and load/store pipes. A ceiling: latency, stalls and DRAM are not modelled. An H100
+    needs ~36 (3.25-bit weights) or ~27 (4.25-bit) per clock per SM to stream at 3.35 TB/s (132 SMs, 1.75 GHz)."""
+    lsu = pw["global load"] + pw["shared load"] + pw["shared store"]
+    cost = {"issue": pw["total"] / SM90_RATES["issue"], "float": pw["float"] / SM90_RATES["float"],
+            "integer": pw["integer"] / SM90_RATES["integer"], "convert": pw["convert"] / SM90_RATES["convert"],
+            "shuffle": pw["shuffle"] / SM90_RATES["shuffle"], "lsu": lsu / SM90_RATES["lsu"]}
+    pipe = max(cost, key=cost.get)
+    return 1.0 / cost[pipe], pipe
+
+
 def occupancy_sm90(registers: int, shared_bytes: int, num_warps: int) -> float:
     """Fraction of an H100 SM's 64 warp slots a kernel can fill (65536 registers, 228 KB shared, 32 blocks;
     registers allocated per warp in units of 256, shared with 1 KB reserved per block)."""
