@@ -214,3 +214,19 @@ def test_untied_rotation_is_fully_fused_and_exports_to_gguf(tmp_path):
     with torch.no_grad():
         got, want = hf(ids, use_cache=False).logits, q(ids, use_cache=False).logits
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("spec", ["rot+awq+blockwise:4/b16", "rot-block+palettize:4"])
+def test_rotation_composes_with_awq_and_palettize(tmp_path, tiny_dir, spec):
+    """Rotations run first (data-free), AWQ's search then sees the rotated model; the float model stays the same function."""
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings=spec, embedding_bits="8", calib_samples=2, seq_len=32)
+    prepared = prepare(cfg, show_progress=False, lazy=False)
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(3))
+    orig = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert _rel(prepared.model(ids).logits, orig(ids).logits) < 1e-5
+    manifest = compress(cfg, out=tmp_path / "q", prepared=prepared, show_progress=False)
+    names = spec.split("+")[:-1]
+    assert manifest["transforms"]["names"] == names and set(manifest["transforms"]["layers"]) == set(names)
+    with torch.no_grad():
+        assert torch.isfinite(load(tmp_path / "q")(ids).logits).all()
