@@ -49,15 +49,15 @@ def main() -> None:
         return sum(float(torch.nn.functional.cross_entropy(model(input_ids=w[None]).logits[0, :-1], w[1:])) for w in ev) / len(ev)
 
     base = loss()
-    names = [n for n, u in prep.units.items() if u["kind"] == "linear"]
+    names = [n for n, u in prep.units.items() if u.kind == "linear"]
     picked = [names[round(i * (len(names) - 1) / (args.layers - 1))] for i in range(args.layers)]
-    picked += [n for n, u in prep.units.items() if u["kind"] != "linear"]
+    picked += [n for n, u in prep.units.items() if u.kind != "linear"]
     rows = []
     for n in picked:
         u = prep.units[n]
         mod = model.get_submodule(n)
         w0 = mod.weight.data.clone()
-        for c, (qw, damage) in zip(u["cands"], u["results"]):
+        for c, (qw, damage) in zip(u.cands, u.results):
             mod.weight.data.copy_(qw.dequantize())
             real = loss() - base
             rows.append({"layer": n, "choice": c.label, "predicted": damage, "real": real})

@@ -35,7 +35,6 @@ from conftest import TINY_CONFIG, build_tiny_model
 from safetensors import safe_open
 
 import qrecover
-import qrecover.api as api
 from qrecover.api import compress
 from qrecover.checkpoint import FORMAT_VERSION, read_manifest
 from qrecover.config import CompressConfig
@@ -43,6 +42,7 @@ from qrecover.errors import QRecoverError
 from qrecover.io_utils import sha256_file, sha256_files
 from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from qrecover.stages import write as stage_write
+from qrecover.stages.checks import fits
 from qrecover.stages.specs import LEGACY_EMBEDDING, embedding_encodings
 
 LEGACY_LABELS = {e.label for e in LEGACY_EMBEDDING}
@@ -156,7 +156,7 @@ def test_manifest_keys_and_values(tiny_ckpt, tiny_model_dir, manifest):
         assert d["palettize:2"] > d["palettize:4"], (n, d)  # fewer bits: more predicted damage
         assert layers[n]["damage"] == d[layers[n]["label"]]
     emb_table = table["model.embed_tokens"]
-    fits = {c.label for c in embedding_encodings("auto", None, True) if api._fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
+    fits = {c.label for c in embedding_encodings("auto", None, True) if fits(c, (49152, 64))}  # blocks of 128 do not fit 64 columns
     assert set(emb_table) == fits >= {"blockwise:4/b64/asym", "blockwise:4/b32/asym", "blockwise:8/pc", "blockwise:2/b32/asym",
                                       "palettize:3/g1/error_feedback=false", "gptq:4/g32/act_order=false"}
     assert "blockwise:4/b128/asym" not in emb_table
@@ -297,7 +297,7 @@ def test_perplexity_api(loaded, tokenizer):
 
 
 def unit_sizes(prepared) -> dict[str, dict[str, int]]:
-    return {n: {c.label: qw.nbytes for c, (qw, _) in zip(u["cands"], u["results"])} for n, u in prepared.units.items()}
+    return {n: {c.label: qw.nbytes for c, (qw, _) in zip(u.cands, u.results)} for n, u in prepared.units.items()}
 
 
 def test_uniform_model_single_width(tiny_model_dir, tmp_path):

@@ -131,7 +131,7 @@ def test_lazy_equals_full_for_every_encoding(model_dir, tmp_path):
     assert lazy_weights(p[True].model) is not None and lazy_weights(p[False].model) is None
     assert p[True].grads["loss"] == p[False].grads["loss"]
     for n, u in p[False].units.items():
-        for (qa, da), (qb, db) in zip(u["results"], p[True].units[n]["results"]):
+        for (qa, da), (qb, db) in zip(u.results, p[True].units[n].results):
             assert da == db and qa.tensors.keys() == qb.tensors.keys()
             assert all(torch.equal(qa.tensors[k], qb.tensors[k]) for k in qa.tensors), n
     for k, v in p[False].remainder.items():

@@ -21,12 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
-from ..distributed import SINGLE, World
+from ..distributed import SINGLE, World, join
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
 from ..sensitivity import linear_damage
-from .candidates import quantize_shared
+from .candidates import Prepared, quantize_shared
+from .checks import resolve_device
 from .specs import Encoding
 
 INPUT_STATS = frozenset({"hessian", "input_sq"})
@@ -218,3 +219,22 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     return result, {"mode": mode, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
                     "blocks_replayed": replayed,
                     "seconds": round(time.time() - t0, 1)}
+
+
+def finalize_units(p: Prepared, enc_of: dict[str, Encoding], qws: dict[str, QuantizedWeight | None], groups: str,
+                   device: str, owned: bool, show_progress: bool) -> dict[str, Any]:
+    """Stage ``finalize`` on a prepared model: re-quantize each chosen linear (``enc_of``) on the outputs of the
+    quantized layers before it; ``qws`` (unit name -> packed weight) is updated in place. ``owned``: no caller
+    keeps ``p`` for another budget, so the linears' candidates are freed before finalize makes their
+    replacements. Returns the manifest's ``finalize`` record (``enabled`` added by the caller)."""
+    lin_names = [n for n, u in p.units.items() if u.kind == "linear"]
+    if owned:  # finalize replaces every linear's packed weights: free the candidates before it makes them
+        for n in lin_names:
+            p.units[n].results = None
+            qws[n] = None
+    fixed = {n: qws[n] for n, u in p.units.items() if u.kind != "linear"}
+    final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
+                           p.grads["out_grad_sq"] if p.grads is not None else None,
+                           resolve_device(device), show_progress, groups=groups, world=join())
+    qws.update(final)
+    return info
