@@ -17,7 +17,11 @@ from ..moe import unfuse_experts
 from ..transforms import get_transform
 from .specs import Encoding, embedding_encodings, linear_encodings
 from .transform import transforms_of
-from .write import bpw
+
+
+def bpw(nbytes: int, params: int) -> float:
+    """Bits per weight of ``nbytes`` over ``params`` parameters."""
+    return 8.0 * nbytes / params
 
 
 def fits(c: Encoding, shape: tuple[int, int]) -> bool:

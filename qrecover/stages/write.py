@@ -24,13 +24,10 @@ from ..io_utils import atomic_dir, sha256_file
 from ..schemes import QuantizedWeight
 from ..sensitivity import METHOD
 from .candidates import Prepared
+from .checks import bpw
 from .specs import Encoding
 
 _DTYPE_BYTES = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
-
-
-def bpw(nbytes: int, params: int) -> float:
-    return 8.0 * nbytes / params
 
 
 def measure_bpw(weights: Path, manifest: dict[str, Any]) -> dict[str, Any]:
