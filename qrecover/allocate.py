@@ -31,7 +31,7 @@ import numpy as np
 __all__ = [
     "Choice",
     "InfeasibleBudget",
-    "Plan",
+    "Allocation",
     "allocate",
     "allocate_by_position",
     "position_order",
@@ -93,7 +93,7 @@ class InfeasibleBudget(ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Allocation:
     """The outcome of an allocation: one choice per layer.
 
     Attributes:
@@ -206,8 +206,8 @@ def _make_plan(
     damages: list[list[float]],
     picks: list[int],
     bound_gap_bytes: int,
-) -> Plan:
-    return Plan(
+) -> Allocation:
+    return Allocation(
         choices={n: int(c) for n, c in zip(names, picks)},
         nbytes=sum(s[c] for s, c in zip(sizes, picks)),
         damage=math.fsum(d[c] for d, c in zip(damages, picks)),
@@ -225,7 +225,7 @@ def allocate(
     budget_bytes: int,
     *,
     max_states: int = 2_000_000,
-) -> Plan:
+) -> Allocation:
     """Pick one choice per layer, minimising total damage within a byte budget.
 
     Solves the multiple-choice knapsack by an exact dynamic programme over
@@ -277,7 +277,7 @@ def allocate(
             max_states)``.
 
     Returns:
-        The :class:`Plan`; ``plan.nbytes <= budget_bytes`` always.
+        The :class:`Allocation`; ``plan.nbytes <= budget_bytes`` always.
 
     Raises:
         InfeasibleBudget: ``budget_bytes < base`` (no plan fits); carries
@@ -472,7 +472,7 @@ def position_order(n: int) -> list[int]:
     return order
 
 
-def allocate_by_position(table: Mapping[str, Sequence[Choice]], budget_bytes: int) -> Plan:
+def allocate_by_position(table: Mapping[str, Sequence[Choice]], budget_bytes: int) -> Allocation:
     """Damage-blind baseline: shrink layers evenly spread by position.
 
     1. Every layer starts at its choice with the most bytes (lowest index
@@ -488,7 +488,7 @@ def allocate_by_position(table: Mapping[str, Sequence[Choice]], budget_bytes: in
        stops as soon as it fits.  So every layer is stepped down once, in
        the spread order, before any layer is stepped down twice.
 
-    Damage is ignored when choosing; it is only summed into ``Plan.damage``.
+    Damage is ignored when choosing; it is only summed into ``Allocation.damage``.
 
     Args:
         table: Ordered mapping ``layer name -> list of Choice`` (see
@@ -496,7 +496,7 @@ def allocate_by_position(table: Mapping[str, Sequence[Choice]], budget_bytes: in
         budget_bytes: Total byte budget, a positive ``int``.
 
     Returns:
-        The :class:`Plan` (``nbytes <= budget_bytes``, ``bound_gap_bytes``
+        The :class:`Allocation` (``nbytes <= budget_bytes``, ``bound_gap_bytes``
         is ``0`` and carries no meaning here).
 
     Raises:

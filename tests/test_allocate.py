@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 
 from qrecover.allocate import (
+    Allocation,
     Choice,
     InfeasibleBudget,
-    Plan,
     allocate,
     allocate_by_position,
     position_order,
@@ -67,8 +67,8 @@ def plan_damage(table, plan):
 
 
 def check_consistent(table, plan, budget):
-    """Plan covers every layer in order, fits, and its totals are right."""
-    assert isinstance(plan, Plan)
+    """The allocation covers every layer in order, fits, and its totals are right."""
+    assert isinstance(plan, Allocation)
     assert list(plan.choices) == list(table)
     for name, c in plan.choices.items():
         assert isinstance(c, int) and 0 <= c < len(table[name])

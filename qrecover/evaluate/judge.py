@@ -53,13 +53,14 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..benchdata import DATA, data_file
 from ..errors import QRecoverError
+from ..fields import doc_field
 from ..progress import progress
 from ..reports.results import Metric
 
@@ -92,10 +93,6 @@ as a thoughtful human would. The outputs appear in random order; neither their o
 
 Which output is better, Output (a) or Output (b)? Answer with exactly "Output (a)" or "Output (b)" and nothing else."""
 PROMPT_SHA256 = hashlib.sha256(f"{SYSTEM_PROMPT}\0{USER_TEMPLATE}".encode()).hexdigest()
-
-
-def _doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - the help text lives with the field, as in peft
-    return field(default=default, metadata={"help": help}, **kw)
 
 
 # --- data ------------------------------------------------------------------------------------------
@@ -132,15 +129,15 @@ def alpaca_items(limit: int | None = None) -> list[AlpacaItem]:
 
 @dataclass
 class JudgeConfig:
-    url: str = _doc("", "API base URL including its version path, as the OpenAI SDK's base_url: 'https://api.openai.com/v1', "
+    url: str = doc_field("", "API base URL including its version path, as the OpenAI SDK's base_url: 'https://api.openai.com/v1', "
                         "'http://127.0.0.1:8000/v1'; requests go to {url}/chat/completions")
-    model: str = _doc("", "the judge model's name on that server, e.g. 'gpt-4o-2024-08-06'")
-    api_key_env: str = _doc("OPENAI_API_KEY", "environment variable holding the API key; read at each request, never stored; "
+    model: str = doc_field("", "the judge model's name on that server, e.g. 'gpt-4o-2024-08-06'")
+    api_key_env: str = doc_field("OPENAI_API_KEY", "environment variable holding the API key; read at each request, never stored; "
                                               "unset or empty = no Authorization header (local servers)")
-    timeout: float = _doc(120.0, "seconds to wait for one reply")
-    max_retries: int = _doc(5, "retries after a 429, a 5xx, a timeout or a dropped connection")
-    backoff: float = _doc(1.0, "seconds before the first retry, doubling after each (capped at 60 s); a server's Retry-After wins")
-    max_tokens: int = _doc(16, "reply length limit for the judge: the expected answer 'Output (a)' is ~4 tokens")
+    timeout: float = doc_field(120.0, "seconds to wait for one reply")
+    max_retries: int = doc_field(5, "retries after a 429, a 5xx, a timeout or a dropped connection")
+    backoff: float = doc_field(1.0, "seconds before the first retry, doubling after each (capped at 60 s); a server's Retry-After wins")
+    max_tokens: int = doc_field(16, "reply length limit for the judge: the expected answer 'Output (a)' is ~4 tokens")
 
     def __post_init__(self) -> None:
         u = urlsplit(self.url or "")

@@ -119,7 +119,7 @@ def parse_requantize(spec: str | None) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
-def requantize(qw: QuantizedWeight, bits: int, group: int) -> tuple[QuantizedWeight, float]:
+def to_int_groups(qw: QuantizedWeight, bits: int, group: int) -> tuple[QuantizedWeight, float]:
     """Re-quantize a layer's stored weights to symmetric ``bits``-bit integers in groups of ``group`` inputs.
 
     Returns the new weight and the measured relative error against the stored layer (not the original

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
-from .common import Checkpoint, integer_layout, layout_dequantize, requantize
+from .common import Checkpoint, integer_layout, layout_dequantize, to_int_groups
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -48,7 +48,7 @@ def plan(ckpt: Checkpoint, spec: tuple[int, int] | None) -> tuple[dict[str, Any]
         if spec is None:
             refused.append(name)
             continue
-        new, rel = requantize(qw, *spec)
+        new, rel = to_int_groups(qw, *spec)
         layouts[name] = integer_layout(new)
         report[name] = {"exact": False, "rel_error": rel, "scheme": f"int{spec[0]}/g{spec[1]}",
                         "note": f"{qw.scheme} {qw.bits}-bit re-quantized to int{spec[0]}/g{spec[1]}"}

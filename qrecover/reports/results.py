@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import QRecoverError
+from ..fields import doc_field
 from ..io_utils import read_json
 
 SCHEMA_VERSION = 1
@@ -45,21 +46,17 @@ KINDS = ("original", "quantized", "recovered")
 SCALES = ("ratio", "nats", "fraction")
 
 
-def _doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - the help text lives with the field, as in peft
-    return field(default=default, metadata={"help": help}, **kw)
-
-
 @dataclass
 class MeasuredBpw:
-    model: float = _doc(0.0, "bits per weight over every weight (embedding included), from packed bytes")
-    linear: float = _doc(0.0, "bits per weight over the decoder linear layers only")
+    model: float = doc_field(0.0, "bits per weight over every weight (embedding included), from packed bytes")
+    linear: float = doc_field(0.0, "bits per weight over the decoder linear layers only")
 
 
 @dataclass
 class Adapter:
-    path: str = _doc("", "the LoRA adapter directory (PEFT layout)")
-    rank: int = _doc(0, "LoRA rank r")
-    bpw_cost: float = _doc(0.0, "bits per model weight the adapter adds when shipped (its bytes x 8 / model parameters)")
+    path: str = doc_field("", "the LoRA adapter directory (PEFT layout)")
+    rank: int = doc_field(0, "LoRA rank r")
+    bpw_cost: float = doc_field(0.0, "bits per model weight the adapter adds when shipped (its bytes x 8 / model parameters)")
 
 
 IMPLIED_SCALES = {"kl": "nats", "mmlu_flips": "fraction"}  # qrecover eval's agreement metrics (see Metric.scale)
@@ -67,11 +64,11 @@ IMPLIED_SCALES = {"kl": "nats", "mmlu_flips": "fraction"}  # qrecover eval's agr
 
 @dataclass
 class Metric:
-    value: float = _doc(0.0, "the score, in the benchmark's own unit (accuracy 0-1, perplexity, ...)")
-    stderr: float | None = _doc(None, "standard error of `value` (lm-eval's bootstrap/analytic stderr), or null if unknown")
-    higher_is_better: bool = _doc(True, "False for perplexity, KL divergence and other losses")
-    settings: dict[str, Any] = _doc(None, "the protocol: num_fewshot, limit, seq_len, ...; compared only with identical settings")
-    scale: str = _doc("ratio", "how the report normalises it: 'ratio' (value/baseline, or baseline/value when lower is "
+    value: float = doc_field(0.0, "the score, in the benchmark's own unit (accuracy 0-1, perplexity, ...)")
+    stderr: float | None = doc_field(None, "standard error of `value` (lm-eval's bootstrap/analytic stderr), or null if unknown")
+    higher_is_better: bool = doc_field(True, "False for perplexity, KL divergence and other losses")
+    settings: dict[str, Any] = doc_field(None, "the protocol: num_fewshot, limit, seq_len, ...; compared only with identical settings")
+    scale: str = doc_field("ratio", "how the report normalises it: 'ratio' (value/baseline, or baseline/value when lower is "
                       "better), 'nats' (a divergence in nats, baseline 0: exp(baseline - value)), 'fraction' (a rate "
                       "whose baseline is 0, e.g. answer flips: 1 - (value - baseline))")
 
@@ -82,12 +79,12 @@ class Metric:
 
 @dataclass
 class RunInfo:
-    model: str = _doc("", "the evaluated model: checkpoint directory, HF directory or .gguf")
-    kind: str = _doc("original", "'original' (unquantized), 'quantized', or 'recovered' (quantized + LoRA adapter)")
-    measured_bpw: MeasuredBpw | None = _doc(None, "measured bits per weight of the checkpoint; null for the original")
-    adapter: Adapter | None = _doc(None, "the accuracy-recovery adapter; required for 'recovered', null otherwise")
-    manifest_sha256: str | None = _doc(None, "sha256 of the checkpoint's qrecover.json, or null")
-    versions: dict[str, str] = _doc(None, "package versions the evaluation ran with")
+    model: str = doc_field("", "the evaluated model: checkpoint directory, HF directory or .gguf")
+    kind: str = doc_field("original", "'original' (unquantized), 'quantized', or 'recovered' (quantized + LoRA adapter)")
+    measured_bpw: MeasuredBpw | None = doc_field(None, "measured bits per weight of the checkpoint; null for the original")
+    adapter: Adapter | None = doc_field(None, "the accuracy-recovery adapter; required for 'recovered', null otherwise")
+    manifest_sha256: str | None = doc_field(None, "sha256 of the checkpoint's qrecover.json, or null")
+    versions: dict[str, str] = doc_field(None, "package versions the evaluation ran with")
 
     def __post_init__(self) -> None:
         if self.versions is None:
@@ -96,10 +93,10 @@ class RunInfo:
 
 @dataclass
 class Results:
-    run: RunInfo = _doc(None, "which model was evaluated")
-    metrics: dict[str, Metric] = _doc(None, "metric name -> score")
-    schema_version: int = _doc(SCHEMA_VERSION, "version of this file layout")
-    skipped: dict[str, str] = _doc(None, "metric name -> why it was not run (e.g. 'no judge configured'); saved only when non-empty")
+    run: RunInfo = doc_field(None, "which model was evaluated")
+    metrics: dict[str, Metric] = doc_field(None, "metric name -> score")
+    schema_version: int = doc_field(SCHEMA_VERSION, "version of this file layout")
+    skipped: dict[str, str] = doc_field(None, "metric name -> why it was not run (e.g. 'no judge configured'); saved only when non-empty")
     source: str | None = field(default=None, compare=False, repr=False, metadata={"help": "the file it was read from (not saved)"})
 
     def __post_init__(self) -> None:
