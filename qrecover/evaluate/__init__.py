@@ -3,7 +3,8 @@
 ``config``: :class:`EvalConfig` and the task list; ``tasks``: the built-in task table and lm-eval YAMLs;
 ``harness``: lm-eval plumbing and task scoring; ``offline``: patches that keep evaluation offline and leave the
 process as found; ``ifeval_offline``: IFEval's checkers without NLTK downloads; ``agreement``: KL and answer
-flips against the unquantized model; ``judge``: the AlpacaEval-style judged win rate; ``runner``: :func:`evaluate`.
+flips against the unquantized model; ``judge``: the AlpacaEval-style judged win rate (``judge_client``: its HTTP
+client); ``runner``: :func:`evaluate`.
 
 The results it writes are read by the torch-free :mod:`qrecover.reports`.
 
