@@ -15,9 +15,15 @@ from typing import Any, ClassVar
 from .errors import QRecoverError
 
 
-def doc_field(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors peft's field(metadata={"help"})
-    """A dataclass field with its help text."""
-    return field(default=default, metadata={"help": help}, **kw)
+def doc_field(default: Any, help: str, *, flag: str | None = None, short: str | None = None, negate: bool = False,  # noqa: A002
+              cli: bool = True, **kw: Any) -> Any:
+    """A dataclass field with its help text (as peft's ``field(metadata={"help": ...})``) and, for the command-line
+    options derived from it (:mod:`qrecover.cli.config_options`): ``flag`` when it is not ``--field-name``,
+    ``short`` (``-r``), ``negate`` (a bool defaulting to True that the flag turns off), ``cli=False`` (not an option)."""
+    meta: dict[str, Any] = {"help": help}
+    meta.update({k: v for k, v in (("flag", flag), ("short", short)) if v})
+    meta.update({k: v for k, v in (("negate", negate), ("cli", cli)) if v is not (k == "cli")})
+    return field(default=default, metadata=meta, **kw)
 
 
 class DictConfig:

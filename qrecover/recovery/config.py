@@ -22,7 +22,7 @@ class RecoverConfig(DictConfig):
     what = "recover config"
     allow_zero_lr: ClassVar[bool] = False  # tuning (TuneConfig) allows lr 0: a run that must leave every tensor as it was
 
-    rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)")
+    rank: int = doc_field(16, "LoRA rank r (AFM trains 8, 16 and 32)", short="-r")
     alpha: float | None = doc_field(None, "LoRA alpha; None = 2 x rank (scaling 2)")
     init: str = doc_field("svd", "'svd': B A starts as the rank-r approximation of the quantization error W - Q(W), weighted by the "
                           "calibration inputs (LoftQ-style; needs the unquantized model); 'zero': PEFT's B = 0 (starts at the "
@@ -31,8 +31,8 @@ class RecoverConfig(DictConfig):
                                      "parameters (r x the sum of in + out) spread by each layer's quantization damage and "
                                      "the spectrum of its error (qrecover/adapters/rank_alloc.py; needs the unquantized model)")
     targets: str = doc_field("all", "'all' quantized projections, or 'top:N' = the N layers whose quantization damage (manifest) is largest")
-    tokens: int = doc_field(65536, "training tokens (whole run, all processes)")
-    mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped default mix (qrecover/recipes/default-mix.toml)")
+    tokens: int = doc_field(65536, "training tokens (whole run, all processes)", short="-t")
+    mix: str | None = doc_field(None, "data-mix recipe (TOML); None = the shipped default mix (qrecover/recipes/default-mix.toml)", cli=False)
     objective: str = doc_field("kd", "'ce' (next-token cross-entropy on the data), 'kd' (KL to the unquantized model), 'mix' (both)")
     kd_weight: float = doc_field(0.5, "with objective 'mix': loss = (1 - kd_weight) * CE + kd_weight * KL")
     temperature: float = doc_field(1.0, "distillation temperature (1 = match the teacher's distribution as is)")
@@ -58,12 +58,14 @@ class RecoverConfig(DictConfig):
     compile_layers: bool = doc_field(False, "torch.compile each decoder layer of the student and the teacher (one graph per layer "
                                      "kind, compiled in the first steps: the warm-up); for GPUs, off by default (on a CPU the "
                                      "compilation costs more than it saves on short runs)")
-    cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)")
+    cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)",
+                                        flag="--no-cache-dequantized", negate=True)
     shard_base: bool = doc_field(False, "on several processes (torchrun, or accelerate launch without --use_fsdp): shard the "
                                  "frozen packed base across them with torch's FSDP2 (each decoder layer gathered as it runs) "
                                  "instead of a whole copy per process; the adapter and its optimizer state stay whole on every "
                                  "process, as under DDP. Turns off cache_dequantized. No effect on one process")
-    decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)")
+    decontaminate: bool = doc_field(True, "drop training documents that overlap the evaluation sets (13/7-gram rule)",
+                                    flag="--no-decontaminate", negate=True)
     loss_chunk: int = doc_field(1024, "predicted positions per chunk of the loss: the student's and teacher's vocabulary-sized logits "
                                 "exist one chunk at a time (recomputed in backward); 0 = the whole micro-batch at once "
                                 "(batch x seq x vocab floats per tensor: 8 GB at 8 x 2048 tokens and a 128k vocabulary)")
