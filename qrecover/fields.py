@@ -27,9 +27,14 @@ def doc_field(default: Any, help: str, *, flag: str | None = None, short: str | 
 
 
 class DictConfig:
-    """Mixin for config dataclasses; ``what`` names the config in errors ("compress config")."""
+    """Mixin for config dataclasses; ``what`` names the config in errors ("compress config"). ``validate()`` checks
+    every field (a QRecoverError naming the value and the fix); a subclass defines it and calls it from
+    ``__post_init__``."""
 
     what: ClassVar[str] = "config"
+
+    def validate(self) -> None:
+        """Nothing to check unless a subclass says so."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
@@ -46,4 +51,22 @@ class DictConfig:
         return cls(**d)
 
 
-__all__ = ["DictConfig", "doc_field"]
+
+
+class OptionsConfig(DictConfig):
+    """A config with a few fields of its own and ``options``: any other keys, kept flat beside them in its dict
+    (a pipeline recipe's ``[compress]`` holds ``bpw`` and any CompressConfig field). ``to_dict`` leaves out own
+    fields that are None; ``from_dict`` takes the own fields and puts every other key in ``options``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}  # type: ignore[arg-type]
+        return {**{k: list(v) if isinstance(v, list) else v for k, v in own.items() if v is not None}, **self.options}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        d = dict(d)
+        own = {f.name: d.pop(f.name, None) for f in dataclasses.fields(cls) if f.name != "options"}  # type: ignore[arg-type]
+        return cls(**own, options=d)
+
+
+__all__ = ["DictConfig", "OptionsConfig", "doc_field"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import QRecoverError
-from ..fields import doc_field
+from ..fields import DictConfig, doc_field
 from .tasks import BUILTIN_TASKS, JUDGE_TASK, MAX_GEN_TOKS
 
 DEFAULT_TASKS = ",".join(BUILTIN_TASKS)
@@ -20,7 +20,9 @@ __all__ = ["BOOTSTRAP_ITERS", "BUILTIN_TASKS", "DEFAULT_TASKS", "JUDGE_TASK", "M
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(DictConfig):
+    what = "eval config"
+
     model: str | None = doc_field(None, "model to evaluate: qrecover checkpoint, HF directory or .gguf; None = the built-in default")
     adapter: str | None = doc_field(None, "recovery adapter directory (PEFT layout) applied to the checkpoint")
     tasks: list[str] = doc_field(None, f"task names; default {DEFAULT_TASKS} (see the module docstring)")
@@ -39,6 +41,15 @@ class EvalConfig:
             self.tasks = list(BUILTIN_TASKS)
         if isinstance(self.tasks, str):
             self.tasks = parse_tasks(self.tasks)
+        self.validate()
+
+    def validate(self) -> None:
+        if self.limit is not None and self.limit <= 0:
+            raise QRecoverError(f"--limit {self.limit} must be a positive number of items (or omitted for all)")
+        if self.batch_size <= 0 or (self.max_gen_toks is not None and self.max_gen_toks <= 0):
+            raise QRecoverError(f"--batch-size {self.batch_size} and --max-gen-toks {self.max_gen_toks} must be positive")
+        if self.windows <= 0 or self.seq_len <= 1:
+            raise QRecoverError(f"--windows {self.windows} and --seq-len {self.seq_len} must be positive (seq-len at least 2)")
 
 
 def parse_tasks(spec: str) -> list[str]:

@@ -128,12 +128,7 @@ def evaluate(config: EvalConfig | None = None, show_progress: bool = True, **ove
     lm-eval's seeding change them) are restored.
     """
     cfg = config or EvalConfig(**overrides)
-    if cfg.limit is not None and cfg.limit <= 0:
-        raise QRecoverError(f"--limit {cfg.limit} must be a positive number of items (or omitted for all)")
-    if cfg.batch_size <= 0 or (cfg.max_gen_toks is not None and cfg.max_gen_toks <= 0):
-        raise QRecoverError(f"--batch-size {cfg.batch_size} and --max-gen-toks {cfg.max_gen_toks} must be positive")
-    if cfg.windows <= 0 or cfg.seq_len <= 1:
-        raise QRecoverError(f"--windows {cfg.windows} and --seq-len {cfg.seq_len} must be positive (seq-len at least 2)")
+    cfg.validate()  # also a config changed after it was made
     with offline(), rng_restored():
         return _evaluate(cfg, show_progress, Console(stderr=True), time.time())
 

@@ -15,7 +15,7 @@ from typing import Any
 from ..config import CompressConfig
 from ..errors import QRecoverError
 from ..evaluate.config import EvalConfig
-from ..fields import doc_field
+from ..fields import OptionsConfig, doc_field
 from ..io_utils import read_toml, toml_value, write_text_atomic
 from ..models import DEFAULT_MODEL
 from ..recipes import is_shipped, shipped_names, shipped_path
@@ -66,7 +66,7 @@ def _is_int(x: Any) -> bool:
 
 
 @dataclass
-class EvalSection:
+class EvalSection(OptionsConfig):
     """``[eval]``: what every model (original, quantized, recovered) is scored on, identically."""
 
     tasks: list[str] = doc_field(None, f"tasks of `qrecover eval` (default {DEFAULT_TASKS}): gsm8k, ifeval, mmlu, ppl, kl, alpacaeval or lm-eval "
@@ -76,6 +76,10 @@ class EvalSection:
                                               "judge_url, judge_model), written as a key of [eval] itself")
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Defaults filled in, values normalised and checked (QRecoverError naming the key and the fix)."""
         if self.tasks is None:
             self.tasks = list(DEFAULT_TASKS)
         self.options = {k: v for k, v in (self.options or {}).items() if v is not None}
@@ -93,20 +97,10 @@ class EvalSection:
             if k in self.options and not isinstance(self.options[k], str):
                 raise QRecoverError(f"[eval] {k} = {self.options[k]!r} must be a string")
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"tasks": list(self.tasks)}
-        if self.limit is not None:
-            d["limit"] = self.limit
-        return {**d, **self.options}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EvalSection":
-        d = dict(d)
-        return cls(tasks=d.pop("tasks", None), limit=d.pop("limit", None), options=d)
 
 
 @dataclass
-class CompressSection:
+class CompressSection(OptionsConfig):
     """``[compress]``: one checkpoint per budget; every other CompressConfig field applies to all of them."""
 
     bpw: list[float] = doc_field(None, "bits-per-weight budgets, one checkpoint each (measured from packed bytes), e.g. [3.5, 3.7]")
@@ -114,6 +108,10 @@ class CompressSection:
                                               "calib_data, calib_samples, seq_len, seed), written as a key of [compress] itself")
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Defaults filled in, values normalised and checked (QRecoverError naming the key and the fix)."""
         if self.bpw is None:
             self.bpw = [3.7]
         self.options = {k: v for k, v in (self.options or {}).items() if v is not None}
@@ -138,17 +136,10 @@ class CompressSection:
         except (TypeError, ValueError) as e:
             raise QRecoverError(f"[compress] has a value of the wrong type ({e}); see `qrecover compress --help`") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"bpw": list(self.bpw), **self.options}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CompressSection":
-        d = dict(d)
-        return cls(bpw=d.pop("bpw", None), options=d)
 
 
 @dataclass
-class RecoverSection:
+class RecoverSection(OptionsConfig):
     """``[recover]``: one adapter per (budget, rank); every other RecoverConfig field applies to all of them."""
 
     ranks: list[int] = doc_field(None, "LoRA ranks, one adapter per checkpoint each (AFM: 8, 16, 32); [] = no recovery, quantized rows only")
@@ -156,6 +147,10 @@ class RecoverSection:
                                               "written as a key of [recover] itself")
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Defaults filled in, values normalised and checked (QRecoverError naming the key and the fix)."""
         if self.ranks is None:
             self.ranks = [16]
         self.options = {k: v for k, v in (self.options or {}).items() if v is not None}
@@ -176,13 +171,6 @@ class RecoverSection:
         except (TypeError, ValueError) as e:
             raise QRecoverError(f"[recover] has a value of the wrong type ({e}); see `qrecover recover --help`") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"ranks": list(self.ranks), **self.options}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RecoverSection":
-        d = dict(d)
-        return cls(ranks=d.pop("ranks", None), options=d)
 
 
 _SECTIONS = {"eval": EvalSection, "compress": CompressSection, "recover": RecoverSection}

@@ -6,7 +6,7 @@ in groups that share an input (q/k/v, then o, then gate/up, then down: "true seq
 statistics collected with the earlier groups already quantized. The first layer's inputs come from the
 quantized embedding. A quantizer that needs no input statistics (round-to-nearest) gives the same result on
 any input (it is re-quantized without a statistics pass); its dequantized weight still feeds the layers after it. The
-model's weights are restored afterwards (a :class:`~qrecover.api.Prepared` serves further budgets); a lazily
+model's weights are restored afterwards (a :class:`~qrecover.stages.candidates.Prepared` serves further budgets); a lazily
 loaded model's layer is read from disk for its turn and dropped after (:func:`qrecover.models.resident`).
 """
 
