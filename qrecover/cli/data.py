@@ -28,7 +28,7 @@ app = typer.Typer(name="data", help="Prepare training data: tokenize a mix once 
 
 
 @app.command("prepare", epilog=EXAMPLES)
-def prepare(
+def prepare_command(
     mix: Path = typer.Argument(..., help="Data-mix recipe (TOML with [[source]] tables), as `qrecover recover --mix` takes."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     model: Optional[str] = ModelArg,
