@@ -1,0 +1,68 @@
+"""CLI options derived from config dataclasses (:mod:`qrecover.cli.config_options`): a field becomes an option with
+its default, flag, short alias and help text, a ``negate`` bool is turned off by its flag, ``cli=False`` fields are
+not options; every RecoverConfig field is an option of ``qrecover recover`` with the dataclass's own default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import typer
+import typer.main
+from typer.testing import CliRunner
+
+from qrecover.cli import app as qrecover_app
+from qrecover.cli.config_options import config_command
+from qrecover.fields import DictConfig, doc_field
+from qrecover.recovery.config import RecoverConfig
+
+
+@dataclass
+class Toy(DictConfig):
+    size: int = doc_field(3, "how many", short="-s")
+    keep: bool = doc_field(True, "keep the cache", flag="--no-keep", negate=True)
+    name: str | None = doc_field(None, "a name")
+    hidden: int = doc_field(1, "set by the command itself", cli=False)
+
+
+def toy_app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.command()
+    @config_command(Toy)
+    def run(path: str = typer.Argument(...), config: dict | None = None) -> None:
+        print(json.dumps({"path": path, **config}))
+
+    return app
+
+
+def test_fields_become_options():
+    r = CliRunner().invoke(toy_app(), ["p"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == {"path": "p", "size": 3, "keep": True, "name": None}
+    r = CliRunner().invoke(toy_app(), ["p", "-s", "5", "--no-keep", "--name", "q"])
+    assert json.loads(r.output) == {"path": "p", "size": 5, "keep": False, "name": "q"}
+    assert Toy(**{k: v for k, v in json.loads(r.output).items() if k != "path"}).size == 5
+
+
+def test_help_and_refusals():
+    r = CliRunner().invoke(toy_app(), ["--help"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "--size" in text and "How many." in text and "Turn off: keep the cache." in text
+    assert "--hidden" not in text
+    r = CliRunner().invoke(toy_app(), ["p", "--hidden", "2"])
+    assert r.exit_code == 2
+    r = CliRunner().invoke(toy_app(), ["p", "--size", "x"])
+    assert r.exit_code == 2
+
+
+def test_every_recover_config_field_is_a_recover_option():
+    cmd = typer.main.get_command(qrecover_app).commands["recover"]
+    params = {p.name: p for p in cmd.params}
+    for f in dataclasses.fields(RecoverConfig):
+        if f.metadata.get("cli") is False:  # the command's own option (recover's --mix is a path, checked with --data)
+            continue
+        p = params[f.name]
+        assert p.opts[0] == f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.name
+        assert p.default == (False if f.metadata.get("negate") else f.default), f.name
