@@ -49,7 +49,7 @@ with whole-row tables and tables per ~192 columns, each refitted twice: the best
 mixed-blocks (the default: afm-blocks + gptq:3/g64, gptq:4/g64; the best measured, on the calibration domain and on
 every held-out domain), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
 gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only), quick (mixed-blocks without the
-table refits: the quick start's menu, 40% less CPU time; measured no worse held out: worst 1.97x against 2.05x). They mix with
+table refits: the quick start's menu, 40% less CPU time; held out as good: worst 1.97x, as the default). They mix with
 specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
 every layer's columns) is offered to those layers only.
 """

@@ -64,8 +64,8 @@ PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64,gptq:4/g64"
 #: ``quick``: ``mixed-blocks`` without the table refits (k-means tables, codes by error feedback), the candidates that
 #: cost most (each refit is a least-squares solve per table and a second error-feedback pass); the quick start's menu.
 #: Measured at ``--bpw 3.7`` (2026-11-26, one thread, loaded machine): 818 CPU-s against the default's 1,344; held-out
-#: ppl ratios python-docs 1.333x, shakespeare 1.968x, gsm8k 1.523x, mmlu 1.800x (worst 1.968x) against 1.343x / 2.049x
-#: / 1.648x / 1.827x (worst 2.049x, reports/schemes-heldout.md).
+#: ppl ratios python-docs 1.333x, shakespeare 1.968x, gsm8k 1.523x, mmlu 1.800x (worst 1.968x) against the default's
+#: 1.326x / 1.967x / 1.576x / 1.809x (worst 1.967x), both scored in the same benchmarks/heldout.py run.
 PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "")
 
 # DEFAULT_ENCODINGS (the menu when no --encodings, --scheme or --bits is given) is declared in qrecover.config.
