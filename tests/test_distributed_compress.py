@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -71,6 +72,17 @@ def _digests(ckpt: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(ckpt.iterdir())}
 
 
+def _close(a, b) -> bool:
+    """``a == b`` for JSON values, floats to 1e-12 relative."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300)
+    return a == b
+
+
 def _manifest(ckpt: Path) -> dict:
     m = json.loads((ckpt / "qrecover.json").read_text())
     for k in TIMING:
@@ -91,7 +103,9 @@ def test_two_processes_write_the_bytes_of_one(menu, tiny_model_dir, tmp_path):
     a, b = _digests(one), _digests(two)
     assert a.keys() == b.keys() and "model.safetensors" in a
     assert {k: v for k, v in a.items() if k != "qrecover.json"} == {k: v for k, v in b.items() if k != "qrecover.json"}
-    assert _manifest(one) == _manifest(two)
+    # the weights above are byte-identical; the manifest's damage sums may differ in their last bits (summed over
+    # the gathered jobs in another order), so its floats are compared to 1e-12 relative, everything else exactly
+    assert _close(_manifest(one), _manifest(two))
     labels = {v["label"] for v in _manifest(two)["layers"].values() if v["kind"] == "linear"}
     assert len(labels) > 1  # the budget made choices (a uniform result would hide a wrong damage table)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
@@ -112,10 +126,10 @@ def test_a_failing_process_leaves_nothing(tiny_model_dir, tmp_path):
 
 def test_more_processes_than_windows_is_refused(tiny_model_dir, tmp_path, monkeypatch):
     """Refused before the model is read (as the first of 2 processes: no collective is reached)."""
-    import qrecover.api
+    import qrecover.stages.candidates as candidates
 
-    monkeypatch.setattr(qrecover.api, "join", lambda: World(0, 2))
-    monkeypatch.setattr(qrecover.api, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(candidates, "join", lambda: World(0, 2))
+    monkeypatch.setattr(candidates, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(QRecoverError, match=r"--calib-samples 1 is fewer than the 2 processes; give at least one window per process"):
         compress(CompressConfig(model=str(tiny_model_dir), **{**RUN, "calib_samples": 1}), out=tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()
