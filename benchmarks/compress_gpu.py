@@ -103,7 +103,7 @@ def build(d: Path, config: dict[str, Any], device: str) -> tuple[Path, int]:
     g = torch.Generator().manual_seed(0)
     words = ["the", "layer", "reads", "packed", "codes", "table", "row", "bits", "weight", "scale", "token", "of", "loss"]
     (d / "texts").mkdir()
-    for i in range(24):  # ~ 0.4 M characters: more than 32 x 512 byte tokens
+    for i in range(64):  # ~ 1 M characters: 24 documents gave 16,336 tokens, under the 32 x 512 needed
         paras = [" ".join(words[j] for j in torch.randint(0, len(words), (150,), generator=g).tolist()) for _ in range(20)]
         (d / "texts" / f"doc{i}.txt").write_text("\n\n".join(paras))
     (d / "built.json").write_text(json.dumps(config))

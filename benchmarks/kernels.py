@@ -405,7 +405,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="also decode this qrecover checkpoint (e.g. the default model's), fused vs reference")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     ap.add_argument("--quick", action="store_true", help="the issue's three shapes at batch 1 and 16, L2-cold only, "
-                    "4 tuning configs per case (layers only unless --parts says otherwise): a table within ~4 minutes on an H100")
+                    "6 tuning configs per case (layers only unless --parts says otherwise): a table within ~4 minutes on an H100")
     ap.add_argument("--dry-run", action="store_true", help="build every case at its real shape on the CPU and measure the "
                     "one-time repacks (time, memory), run no kernel (checks the benchmark itself without a GPU)")
     args = ap.parse_args()
@@ -431,7 +431,7 @@ def main() -> None:
     checks = []
     if args.quick:
         from qrecover.kernels import qmatmul  # after TRITON_INTERPRET is settled: it builds the kernels on import
-        qmatmul.TUNE_LIMIT = 4
+        qmatmul.TUNE_LIMIT = 6
     if "layers" in parts:
         if timed and not args.quick:
             result["copy_GBps"] = copy_bandwidth(args.device) / 1e9

@@ -124,14 +124,37 @@ class StepCounts:
     counter's own Python overhead (per operator) never enters the steady-state timings. With ``--compile-layers`` the
     counts are the eager path's (compiled graphs do not run under a dispatch mode)."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: bool = False) -> None:
         self.calls = 0
         self.counted: HostSyncCounter | None = None
         self._real = T.optimizer_step
+        self.profile = profile
+        self.profile_table: str | None = None
+
+    def _profiled(self, ctx, micro):
+        """One steady-state step under ``torch.profiler``: the operators and kernels by device time, printed."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            out = self._real(ctx, micro)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        ka = prof.key_averages()
+        keys = ("self_device_time_total", "self_cuda_time_total") if torch.cuda.is_available() else ("self_cpu_time_total",)
+        for key in keys:
+            try:
+                self.profile_table = ka.table(sort_by=key, row_limit=30, max_name_column_width=70)
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+        return out
 
     def __enter__(self) -> "StepCounts":
         def counted(ctx, micro):
             self.calls += 1
+            if self.profile and self.calls == T.WARMUP_LOG_STEPS + 2:
+                return self._profiled(ctx, micro)
             if self.calls != T.WARMUP_LOG_STEPS:
                 return self._real(ctx, micro)
             with HostSyncCounter() as c:
@@ -152,15 +175,18 @@ class StepCounts:
 
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
-               compile_layers: bool = False, checkpointing: bool = False) -> dict:
+               compile_layers: bool = False, checkpointing: bool = False, profile: bool = False) -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
                         mix=str(mix), decontaminate=False, checkpoint_every=0, precision="auto", log_every=log_every,
                         compile_layers=compile_layers, gradient_checkpointing=checkpointing)
     t0 = time.perf_counter()
     try:
-        with StepCounts() as counts:
+        with StepCounts(profile) as counts:
             meta = recover(ckpt, out, cfg, overwrite=True, show_progress=False)
+        if counts.profile_table:
+            print(f"\nprofile of one steady-state step (micro-batch {batch}; the step is excluded from nothing, "
+                  f"so its tokens/s include the profiler's overhead):\n{counts.profile_table}", flush=True)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         return {"batch": batch, "oom": str(e).splitlines()[0][:200]}
@@ -231,6 +257,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="one run within this many seconds: micro-batch 4 (or --micro-batch), --steps, exit 1 if over")
+    ap.add_argument("--profile", action="store_true", help="also print a torch.profiler table of one steady-state step "
+                    "(its overhead enters that run's timing: compare speeds from runs without it)")
     ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="activation checkpointing (recompute in backward): with --micro-batch auto, a larger micro-batch fits")
@@ -266,7 +294,7 @@ def main() -> None:
     rows = []
     for b in batches:
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing)
+                       args.gradient_checkpointing, args.profile)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

@@ -20,17 +20,18 @@ from qrecover.packing import unpack
 @pytest.mark.parametrize("mode", [gemv.LUT_FP16, gemv.LUT_FP32, gemv.LUT_PAIRS])
 @pytest.mark.parametrize("bits,block", [(2, None), (3, 32), (4, None), (4, 64), (8, 64)])
 def test_decode_kernel_in_every_table_mode(interp, monkeypatch, mode, bits, block):
-    if mode == gemv.LUT_PAIRS and bits not in (2, 4):
-        pytest.skip("pair tables are for 2- and 4-bit codes")
+    if mode == gemv.LUT_PAIRS and bits not in (2, 3, 4):
+        pytest.skip("pair tables are for 2-, 3- and 4-bit codes")
     monkeypatch.setattr(gemv, "lut_mode", lambda fmt: mode if fmt.scheme == 0 else gemv.LUT_FP16)
     layer = make_layer("palettize", bits, 48, 128, block_size=block)
-    for batch, dtype, tol in ((1, torch.float32, 1e-5), (3, torch.float32, 1e-5), (2, torch.float16, 2e-3)):
+    cases = ((1, torch.float32, 1e-5), (3, torch.float32, 1e-5), (2, torch.float16, 2e-3), (1, torch.bfloat16, 1e-2))
+    for batch, dtype, tol in cases:
         x = torch.randn(batch, 128, device=DEV).to(dtype)
         y = kernels.fused_linear(layer, x, config=Config(4 if batch > 2 else batch, 32, 32, 2, False))
         assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pair_tables_hold_both_entries(monkeypatch, bits):
     monkeypatch.setattr(gemv, "lut_mode", lambda fmt: gemv.LUT_PAIRS)
     layer = make_layer("palettize", bits, 32, 64).cpu()
@@ -47,7 +48,8 @@ def test_lut_mode_depends_on_table_bytes_next_to_codes():
     assert gemv.lut_mode(wide) == gemv.LUT_PAIRS
     small = layer_format(make_layer("palettize", 4, 32, 64, block_size=32).cpu())
     assert gemv.lut_mode(small) == gemv.LUT_FP16
-    assert gemv.lut_mode(layer_format(make_layer("palettize", 3, 64, 4096).cpu())) == gemv.LUT_FP32
+    assert gemv.lut_mode(layer_format(make_layer("palettize", 3, 64, 4096).cpu())) == gemv.LUT_PAIRS
+    assert gemv.lut_mode(layer_format(make_layer("palettize", 3, 64, 512).cpu())) == gemv.LUT_FP32
     assert gemv.kernel_tables(wide, torch.zeros(4, 16, dtype=torch.float16)).shape == (4, 256, 2)
 
 
@@ -72,3 +74,19 @@ def test_repacked_tables_follow_the_layer(interp):
     layer.lut.mul_(2)
     assert rel_err(kernels.fused_linear(layer, x), ref64(layer, x)) < 1e-5
     assert layer._kernel_repack[1] is not first
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float16, gemv.X_FP16_PAIRS), (torch.bfloat16, gemv.X_BF16_PAIRS)])
+def test_activation_pairs_split_exactly(interp, dtype, mode):
+    """16-bit activations are read two per 32-bit load and split in registers: one-hot inputs at every position
+    (even and odd, so both halves) read back each row's decoded weight (a swapped half would read its neighbour's); an odd row stride reads value by value."""
+    layer = make_layer("blockwise", 4, 16, 64, bias=False, block_size=64)
+    w = ref64(layer, torch.eye(64, dtype=torch.float64, device=DEV)).T  # (16, 64): the decoded weight
+    for c0 in range(0, 64, 2):
+        x = torch.eye(64, device=DEV)[c0:c0 + 2].to(dtype)
+        assert gemv.x_pairs(x) == mode
+        y = kernels.fused_linear(layer, x).double()
+        # fp16: exact; bf16 within one unit of its last place (triton's interpreter truncates fp32 -> bf16)
+        assert torch.allclose(y, w[:, c0:c0 + 2].T.to(dtype).double(), rtol=0 if mode == 1 else 2**-7, atol=0), c0
+    odd = torch.zeros(2, 65, dtype=dtype, device=DEV)[:, :64]
+    assert gemv.x_pairs(odd) == gemv.X_PLAIN

@@ -98,7 +98,7 @@ def qmm_variants(level: str):
 def gemv_variants(level: str):
     """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
-    formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32), (0, 4, False, gemv.LUT_PAIRS),
+    formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32), (0, 4, False, gemv.LUT_PAIRS),
                (0, 4, False, gemv.LUT_FP16), (0, 8, False, gemv.LUT_FP32), (1, 2, False, 0), (1, 3, True, 0),
                (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
     if level != "all":
@@ -106,16 +106,19 @@ def gemv_variants(level: str):
     tiles = [(1, 64, 128, 4), (1, 128, 256, 4)] if level != "smoke" else [(1, 64, 128, 4)]
     for dt in dtypes:
         for scheme, bits, zp, lut in formats[:1] if level == "smoke" else formats:
-            for bm, bn, bk, warps in tiles:
-                sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": "*fp32" if lut else "*fp16", "scale_ptr": "*fp16",
+            asms = (False, True) if (scheme == 0 and lut) or bits == 3 else (False,)  # inline-PTX loads (tables, 3-bit words)
+            for (bm, bn, bk, warps), asm in [(t, a) for t in tiles for a in asms]:
+                xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
+                lut_t = ("*fp16", "*fp32", "*i64")[lut] if scheme == 0 else "*fp16"
+                sig = {"x_ptr": "*i32" if xp else f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16",
                        "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
-                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut")[lut] if scheme == 0 else ""
-                yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
+                yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,9 @@ class Format:
 
 @dataclass(frozen=True)
 class Config:
-    """One launch configuration. ``use_dot``: tensor-core product (else broadcast multiply-and-sum)."""
+    """One launch configuration. ``use_dot``: tensor-core product (else broadcast multiply-and-sum). ``asm``: the
+    decode kernel reads tables and 3-bit code words through inline PTX (:func:`qrecover.kernels.gemv._lut_load`;
+    compiled kernels only, ignored under triton's interpreter)."""
 
     block_m: int
     block_n: int
@@ -35,3 +37,4 @@ class Config:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 2
+    asm: bool = False

@@ -29,41 +29,108 @@ import triton.language as tl
 
 from .formats import Format
 
-#: lut modes: 0 the stored fp16 tables, 1 fp32 tables, 2 fp32 pair tables (repacked once, :func:`kernel_tables`)
+#: lut modes: 0 the stored fp16 tables, 1 fp32 tables, 2 fp32 pair tables read as one 64-bit word (repacked once,
+#: :func:`kernel_tables`)
 LUT_FP16, LUT_FP32, LUT_PAIRS = 0, 1, 2
+#: activation loads: 0 one load per value; 1 / 2 one 32-bit load per pair of fp16 / bf16 values, split in registers
+X_PLAIN, X_FP16_PAIRS, X_BF16_PAIRS = 0, 1, 2
 
 
 @triton.jit
-def _acc_code(part, x_ptr, xrow, kw, c, tbase, lut_ptr, SCHEME: tl.constexpr, LUT: tl.constexpr, BITS: tl.constexpr):
-    """``part (BM, BN, NW) += x[:, kw] * value(c)``; ``c (BN, NW)`` codes, ``kw (NW,)`` their columns."""
-    xv = tl.load(x_ptr + xrow[:, None] + kw[None, :]).to(tl.float32)
+def _x_pair(x_ptr, xoff, i, XP: tl.constexpr):
+    """Activations of code positions ``2i`` and ``2i + 1`` of each word, fp32 ``(BM, NW)`` each. ``xoff``: the
+    words' first position in elements of ``x_ptr`` (for pairs, ``x_ptr`` is the 32-bit view: one load, two values)."""
+    if XP == 0:
+        a = tl.load(x_ptr + xoff + 2 * i).to(tl.float32)
+        b = tl.load(x_ptr + xoff + 2 * i + 1).to(tl.float32)
+    else:
+        u = tl.load(x_ptr + xoff + i)
+        if XP == 1:
+            a = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            b = (u >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:  # a bf16 is the top half of the fp32 of the same value
+            a = (u << 16).to(tl.float32, bitcast=True)
+            b = (u & -65536).to(tl.float32, bitcast=True)
+    return a, b
+
+
+@triton.jit
+def _bits_at(w0, w1, w2, OFF: tl.constexpr, WIDTH: tl.constexpr):
+    """``WIDTH`` bits at bit ``OFF`` of the code group ``w0 | w1 << 32 | w2 << 64`` (uint32 words), as int32;
+    every shift and mask is a compile-time constant. One word per group unless the codes are 3-bit."""
+    sh: tl.constexpr = OFF % 32
+    wi: tl.constexpr = OFF // 32
+    src = w0 if wi == 0 else (w1 if wi == 1 else w2)
+    c = src >> sh
+    if sh + WIDTH > 32:  # the field straddles two words (3-bit codes only)
+        c = c | ((w1 if wi == 0 else w2) << (32 - sh))
+    return (c & ((1 << WIDTH) - 1)).to(tl.int32)
+
+
+@triton.jit
+def _lut_load(ptr, ASM: tl.constexpr, WIDE: tl.constexpr):
+    """A table look-up: a 64-bit pair (``WIDE``) or an fp32 entry. ``ASM``: through inline PTX (``ld.global.nc``),
+    which keeps the operand's register layout; triton 3.6 gives a plain ``tl.load`` of a gathered address a layout
+    of its own and converts the values back through shared memory (1-1.5 shared loads and stores per weight,
+    ``compile_check --isa``)."""
+    if not ASM:
+        return tl.load(ptr)
+    elif WIDE:
+        return tl.inline_asm_elementwise("ld.global.nc.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _value(c, tbase, lut_ptr, SCHEME: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The decoded value of codes ``c (BN, NW)``: a table look-up (palettize) or the code as a float (blockwise:
+    ``2**23 + c`` by its bits, minus ``2**23``; exact, and a full-rate add instead of a quarter-rate ``I2F``)."""
     if SCHEME == 0:
-        v = tl.load(lut_ptr + tbase[:, None] * (1 << BITS) + c).to(tl.float32)
-    else:  # the float 2**23 + c by its bits, minus 2**23: exact, and a full-rate add instead of a quarter-rate I2F
-        v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return part + xv[:, None, :] * v[None, :, :]
+        if ASM:  # fp32 tables (the caller passes ASM only with them)
+            return _lut_load(lut_ptr + tbase[:, None] * (1 << BITS) + c, True, False)
+        return tl.load(lut_ptr + tbase[:, None] * (1 << BITS) + c).to(tl.float32)
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _acc_pair(part, x_ptr, xrow, kw, idx, tbase, lut_ptr, BITS: tl.constexpr):
-    """Two codes at once: ``idx (BN, NW)`` (code ``2i`` in the low bits) indexes the fp32 pair table."""
-    p = lut_ptr + ((tbase[:, None] << (2 * BITS)) + idx) * 2  # one address, two loads at +0 and +4 bytes
-    lo = tl.load(p)
-    hi = tl.load(p + 1)
-    x0 = tl.load(x_ptr + xrow[:, None] + kw[None, :]).to(tl.float32)
-    x1 = tl.load(x_ptr + xrow[:, None] + kw[None, :] + 1).to(tl.float32)
-    return part + x0[:, None, :] * lo[None, :, :] + x1[:, None, :] * hi[None, :, :]
+def _word(ptr, ASM: tl.constexpr):
+    """One code word per pointer, as uint32 (``ASM``: inline PTX, keeping the pointers' register layout)."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32, is_pure=True,
+                                         pack=1)
+    return tl.load(ptr).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr,
+                ASM: tl.constexpr):
+    """The tile's code words ``(BN, NW)`` per word of a group (3 for 3-bit codes; the others repeat ``w0``). The
+    3-bit words are strided (3 per group), which triton 3.6 gives a layout of its own unless read through ``ASM``."""
+    wp = qw_ptr + row_word[:, None] + ((k0 // CPG + tl.arange(0, NW)) * WPG)[None, :]
+    if BITS == 3:
+        w0 = _word(wp, ASM)
+        w1 = _word(wp + 1, ASM)
+        w2 = _word(wp + 2, ASM)
+    else:
+        w0 = tl.load(wp).to(tl.uint32, bitcast=True)
+        w1 = w0
+        w2 = w0
+    return w0, w1, w2
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks, zp_nbytes,
                  k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, DIRECT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program ``(n, m, s)``: rows ``n*BLOCK_N..``, inputs ``m*BLOCK_M..``, columns ``[s*k_split, (s+1)*k_split)``."""
+                 XP: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(n, m, s)``: rows ``n*BLOCK_N..``, inputs ``m*BLOCK_M..``, columns ``[s*k_split, (s+1)*k_split)``.
+    ``stride_xm``: in elements of ``x_ptr`` (halved by the caller for the 32-bit pair view, ``XP > 0``)."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
+    XSTEP: tl.constexpr = CPG // 2 if XP else CPG  # x_ptr elements per group
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = tl.minimum(rows, N - 1).to(tl.int64)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -71,34 +138,29 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     row_word = rows64 * row_words
     acc = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
-        g = k0 // CPG + tl.arange(0, NW)  # word groups of this tile
-        wp = qw_ptr + row_word[:, None] + (g * WPG)[None, :]
-        w0 = tl.load(wp).to(tl.uint32, bitcast=True)
-        if BITS == 3:
-            w1 = tl.load(wp + 1).to(tl.uint32, bitcast=True)
-            w2 = tl.load(wp + 2).to(tl.uint32, bitcast=True)
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
+        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM)
         cb = k0 // CBLOCK
         tbase = ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)  # table index (< 2**31): 32-bit offsets
-        kw = g * CPG
+        xoff = xrow[:, None] + ((k0 // CPG + tl.arange(0, NW)) * XSTEP)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
-        if LUT == 2:
-            for j in tl.static_range(CPG // 2):
-                idx = ((w0 >> (2 * BITS * j)) & ((1 << (2 * BITS)) - 1)).to(tl.int32)
-                part = _acc_pair(part, x_ptr, xrow, kw + 2 * j, idx, tbase, lut_ptr, BITS)
-        else:
-            for j in tl.static_range(CPG):
-                if BITS == 3:
-                    sh = (3 * j) % 32  # constexpr: j is a static_range index
-                    wi = (3 * j) // 32
-                    src = w0 if wi == 0 else (w1 if wi == 1 else w2)
-                    c = src >> sh
-                    if sh > 29:
-                        c = c | ((w1 if wi == 0 else w2) << (32 - sh))
-                    c = (c & 7).to(tl.int32)
-                else:
-                    c = ((w0 >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.int32)
-                part = _acc_code(part, x_ptr, xrow, kw + j, c, tbase, lut_ptr, SCHEME, LUT, BITS)
+        sx = tl.zeros((BLOCK_M, NW), dtype=tl.float32)
+        for i in tl.static_range(CPG // 2):
+            xa, xb = _x_pair(x_ptr, xoff, i, XP)
+            if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code 2i in the low half)
+                idx = _bits_at(w0, w1, w2, 2 * BITS * i, 2 * BITS)
+                p = _lut_load(lut_ptr + ((tbase[:, None] << (2 * BITS)) + idx), ASM, True)
+                va = p.to(tl.int32).to(tl.float32, bitcast=True)
+                vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            else:
+                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM)
+                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS, ASM)
+            part += xa[:, None, :] * va[None, :, :] + xb[:, None, :] * vb[None, :, :]
+            if SCHEME == 1:
+                sx += xa + xb
         if SCHEME == 0:
             acc += part
         else:  # s * (sum x c - z sum x), per word: the tile lies in one block
@@ -111,10 +173,8 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                 zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
             else:
                 zp = tl.zeros_like(scale) + (1 << (BITS - 1))
-            sx = tl.zeros((BLOCK_M, NW), dtype=tl.float32)
-            for j in tl.static_range(CPG):
-                sx += tl.load(x_ptr + xrow[:, None] + (kw + j)[None, :]).to(tl.float32)
             acc += scale[None, :, None] * (part - zp[None, :, None] * sx[:, None, :])
+        w0, w1, w2 = n0, n1, n2
     y = tl.sum(acc, axis=2)
     mask = (ms < M)[:, None] & (rows < N)[None, :]
     offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
@@ -127,13 +187,13 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
 
 
 def lut_mode(fmt: Format) -> int:
-    """Which tables the GEMV reads: fp32 pairs (2/4-bit) or fp32 singles when they add at most 1/16 of the packed
+    """Which tables the GEMV reads: fp32 pairs (2/3/4-bit) or fp32 singles when they add at most 1/16 of the packed
     codes' bytes (whole-row or wide column blocks), else the stored fp16 tables."""
     if fmt.scheme != 0:
         return LUT_FP16
     tables = (fmt.out_f // fmt.group) * (fmt.in_f // fmt.cblock)
     code_bytes = fmt.out_f * fmt.in_f * fmt.bits // 8
-    if fmt.bits in (2, 4) and tables * (1 << (2 * fmt.bits)) * 8 * 16 <= code_bytes:
+    if fmt.bits in (2, 3, 4) and tables * (1 << (2 * fmt.bits)) * 8 * 16 <= code_bytes:
         return LUT_PAIRS
     if tables * (1 << fmt.bits) * 4 * 16 <= code_bytes:
         return LUT_FP32
@@ -154,16 +214,35 @@ def kernel_tables(fmt: Format, lut: torch.Tensor) -> torch.Tensor:
     return torch.stack([table[:, idx % n], table[:, idx // n]], dim=-1).contiguous()
 
 
+def _interpreting() -> bool:
+    from .qmatmul import interpreting
+
+    return interpreting()
+
+
+def x_pairs(x: torch.Tensor) -> int:
+    """How the kernel reads ``x``: a 16-bit ``x`` whose rows start on 4-byte boundaries as 32-bit pairs (one load
+    for two activations), anything else value by value."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.stride(0) % 2 or x.data_ptr() % 4 or x.stride(-1) != 1:
+        return X_PLAIN
+    return X_FP16_PAIRS if x.dtype == torch.float16 else X_BF16_PAIRS
+
+
 def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
            bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg) -> None:
     """Run :func:`_gemv_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
     ``lut``: :func:`kernel_tables` for palettize."""
     m, k = x.shape
     n = fmt.out_f
+    mode = lut_mode(fmt) if fmt.scheme == 0 else LUT_FP16
+    if mode == LUT_PAIRS:
+        lut = lut.view(torch.int64)  # (T, 2**(2 bits)): both fp32 values of a pair in one 64-bit load
+    xp = x_pairs(x)
+    xv = x.view(torch.int32) if xp else x
     _gemv_kernel[grid](
-        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, k * fmt.bits // 32, k // fmt.cblock,
-        zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), n, m * n, SCHEME=fmt.scheme, BITS=fmt.bits,
-        GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp, HAS_BIAS=bias is not None, LUT=lut_mode(fmt),
-        DIRECT=grid[2] == 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, k * fmt.bits // 32, k // fmt.cblock,
+        zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
+        SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
+        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not _interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -199,15 +199,8 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
         tiles = ((16, 32), (16, 64)) if m <= 16 else ((32, 64), (16, 64), (32, 32))
         return [Config(bm, bn, 32, s, True) for bm, bn in tiles for s in ((4, 1, 2) if m <= 16 else (1, 2))]
     if m <= 16:  # GEMV path
-        if m <= 4:  # the decode kernel (gemv.py); split-K first sized to fill 132 SMs twice over (H100)
-            bm = _pow2_at_least(m)
-            shapes = [(bm, bn, bk, False) for bn, bk in ((64, 128), (128, 128), (32, 128), (128, 256), (64, 64))
-                      if bk in ks and bm * bn * bk <= 32768]
-            out = []
-            for bm_, bn, bk, dot in shapes:
-                fill = min(-(-2 * SMS // -(-fmt.out_f // bn)), fmt.in_f // bk)
-                out += [Config(bm_, bn, bk, s, dot) for s in dict.fromkeys((_pow2_at_least(max(fill, 1)), 1, 2, 4, 8))]
-            return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1] or [Config(bm, 32, ks[-1], 1, False)]
+        if m <= 4:  # the decode kernel (gemv.py)
+            return _decode_configs(fmt, m, ks)
         else:
             shapes = [(16, bn, bk, True) for bn, bk in ((32, 128), (64, 64), (64, 128), (32, 64)) if bk in ks]
         shapes = shapes or [(_pow2_at_least(min(m, 4)) if m <= 4 else 16, 32, ks[-1], m > 4)]
@@ -222,6 +215,30 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
                     out += [Config(bm, bn, bk, s, True, warps, stages) for s in (1, 2)]
         out = out or [Config(16, 64, ks[-1], 1, True)]
     return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
+
+
+def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
+    """Batch 1-4 candidates, the most different first (``--quick`` times only the first few): tile shapes with
+    split-K sized to fill the SMs twice over, inline-PTX loads where they apply (fp32/pair tables, 3-bit words:
+    ``compile_check --isa`` counts 4.9-6.3 thread instructions per weight with them against 8.4-9.5 without, under
+    triton 3.6), then other split factors."""
+    bm = _pow2_at_least(m)
+    asm = (fmt.scheme == 0 and gemv.lut_mode(fmt) != gemv.LUT_FP16) or fmt.bits == 3
+    shapes = [(bn, bk) for bn, bk in ((64, 128), (128, 256), (128, 128), (32, 128), (64, 256), (64, 64))
+              if bk in ks and bm * bn * bk <= 32768]
+
+    def fill(bn: int, bk: int) -> int:
+        return _pow2_at_least(max(min(-(-2 * SMS // -(-fmt.out_f // bn)), fmt.in_f // bk), 1))
+
+    plain = [Config(bm, bn, bk, fill(bn, bk), False) for bn, bk in shapes]
+    first = plain
+    if asm:  # two asm variants, then a plain one, and so on
+        with_asm = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes]
+        first = [c for i in range(0, len(shapes), 2) for c in with_asm[i:i + 2] + plain[i // 2:i // 2 + 1]]
+        first += [c for c in plain if c not in first]
+    rest = [Config(bm, bn, bk, s, False, asm=asm) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
+    out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
+    return out or [Config(bm, 32, ks[-1], 1, False)]
 
 
 _TUNED: dict[tuple, Config] = {}

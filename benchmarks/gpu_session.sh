@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,compress (default: all)
+# Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
+# benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README).
+set -u
+OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+PARTS=${1:-tests,kernels,train,compress}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+t0=$(date +%s)
+part() { echo; echo "=== $1 ($(( $(date +%s) - t0 )) s) ==="; }
+if [[ $PARTS == *tests* ]]; then
+  part tests
+  timeout ${T_TESTS:-90} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
+    tests/test_int4pack.py tests/test_dispatch.py 2>&1 | tail -25 | tee "$OUT/tests.log"
+fi
+if [[ $PARTS == *kernels* ]]; then
+  part kernels
+  timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
+fi
+if [[ $PARTS == *train* ]]; then
+  part train
+  timeout ${T_TRAIN:-170} python3 benchmarks/train_speed.py --budget-s $(( ${T_TRAIN:-170} - 25 )) --out /tmp/train 2>&1 \
+    | tee "$OUT/train.log" | tail -40
+  cp /tmp/train/*.json "$OUT/" 2>/dev/null
+fi
+if [[ $PARTS == *compress* ]]; then
+  part compress
+  timeout ${T_COMPRESS:-120} python3 benchmarks/compress_gpu.py --budget-s $(( ${T_COMPRESS:-120} - 20 )) --out /tmp/compress 2>&1 \
+    | tee "$OUT/compress.log" | tail -30
+  cp /tmp/compress/*.json "$OUT/" 2>/dev/null
+fi
+part done
