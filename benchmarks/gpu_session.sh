@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
-#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,compress (default: all)
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress
+#   (default: all); time limits T_TESTS, T_KERNELS, T_TRAIN, T_TRAIN2, T_COMPRESS (seconds); TRAIN_ARGS for train_speed.py
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
 # benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README).
 set -u
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
-PARTS=${1:-tests,kernels,train,compress}
+PARTS=${1:-tests,kernels,train,train-compiled,compress}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -18,18 +19,24 @@ t0=$(date +%s)
 part() { echo; echo "=== $1 ($(( $(date +%s) - t0 )) s) ==="; }
 if [[ $PARTS == *tests* ]]; then
   part tests
-  timeout ${T_TESTS:-90} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
-    tests/test_int4pack.py tests/test_dispatch.py 2>&1 | tail -25 | tee "$OUT/tests.log"
+  timeout ${T_TESTS:-90} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
+    tests/test_int4pack.py tests/test_dispatch.py 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels
   timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
 fi
-if [[ $PARTS == *train* ]]; then
+if [[ $PARTS == *train,* || $PARTS == *train ]]; then
   part train
-  timeout ${T_TRAIN:-170} python3 benchmarks/train_speed.py --budget-s $(( ${T_TRAIN:-170} - 25 )) --out /tmp/train 2>&1 \
-    | tee "$OUT/train.log" | tail -40
-  cp /tmp/train/*.json "$OUT/" 2>/dev/null
+  timeout ${T_TRAIN:-170} python3 benchmarks/train_speed.py --budget-s $(( ${T_TRAIN:-170} - 25 )) ${TRAIN_ARGS:-} \
+    --out /tmp/train 2>&1 | tee "$OUT/train.log" | grep -v "it/s\]" | tail -70
+  cp /tmp/train/train_speed-cuda.json "$OUT/train_speed-cuda.json" 2>/dev/null
+fi
+if [[ $PARTS == *train-compiled* ]]; then
+  part train-compiled
+  timeout ${T_TRAIN2:-170} python3 benchmarks/train_speed.py --budget-s $(( ${T_TRAIN2:-170} - 25 )) --compile-layers \
+    ${TRAIN_ARGS2:-} --out /tmp/train 2>&1 | tee "$OUT/train2.log" | grep -v "it/s\]" | tail -25
+  cp /tmp/train/train_speed-cuda.json "$OUT/train_speed-compiled-cuda.json" 2>/dev/null
 fi
 if [[ $PARTS == *compress* ]]; then
   part compress

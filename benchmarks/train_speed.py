@@ -118,6 +118,10 @@ def flops_per_token(config: dict, seq_len: int) -> dict:
             "total": 6 * n + 4 * attn}
 
 
+#: ATen operators that copy or cast a tensor (a GPU step's pure data movement)
+COPY_OPS = ("copy_", "_to_copy", "clone", "contiguous")
+
+
 class StepCounts:
     """Wraps the trainer's optimizer step for one run and counts, under :class:`HostSyncCounter`, the host
     synchronisations and ATen dispatches of its second step only: the last warm-up step, timed apart, so that the
@@ -170,15 +174,20 @@ class StepCounts:
 
     def steady(self) -> dict:
         c = self.counted
+        top = c.out_bytes.most_common(8) if c else []
         return {"syncs_per_step": c.syncs if c else None, "dispatches_per_step": c.dispatches if c else None,
-                "sync_kinds": dict(c.by_name) if c else None}
+                "sync_kinds": dict(c.by_name) if c else None,
+                "copies_per_step": sum(c.ops[k] for k in COPY_OPS) if c else None,
+                "copy_mb_per_step": sum(c.out_bytes[k] for k in COPY_OPS) / 1e6 if c else None,
+                "top_ops_by_output_mb": {k: [c.ops[k], round(v / 1e6, 1)] for k, v in top}}
 
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
-               compile_layers: bool = False, checkpointing: bool = False, profile: bool = False) -> dict:
+               compile_layers: bool = False, checkpointing: bool = False, profile: bool = False,
+               precision: str = "auto") -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
-                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision="auto", log_every=log_every,
+                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, log_every=log_every,
                         compile_layers=compile_layers, gradient_checkpointing=checkpointing)
     t0 = time.perf_counter()
     try:
@@ -228,15 +237,15 @@ def print_table(result: dict) -> None:
           f"size; {fl['total'] / 1e9:.2f} GFLOP per token ({fl['params_matmul'] / 1e9:.3f} B matmul parameters); build "
           f"{result['build_s']:.1f} s, compress {result['compress_s']:.1f} s, total {result['total_s']:.1f} s\n")
     print("| micro-batch | steady tokens/s | TFLOP/s | MFU | warm-up (steps, s) | peak memory (GB) | host syncs / step "
-          "| dispatches / step | SVD init (s) |\n|---|---|---|---|---|---|---|---|---|")
+          "| dispatches / step | copies / step (MB) | SVD init (s) |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         if "oom" in r:
-            print(f"| {r['batch']} x {seq_len} | out of memory | | | | | | | |")
+            print(f"| {r['batch']} x {seq_len} | out of memory | | | | | | | | |")
             continue
         init = f"{r['init_seconds']:.1f}" if r.get("init_seconds") is not None else ""
         print(f"| {r['batch']} x {seq_len} | {r['tok_per_s']:,.0f} | {r['tflops']:.2f} | {100 * r['mfu']:.2f}% | "
               f"{r['warmup_steps']}, {r['warmup_s'] or 0:.1f} | {r['peak_memory_gb']:.1f} | {r['syncs_per_step']:g} | "
-              f"{r['dispatches_per_step']:,.0f} | {init} |")
+              f"{r['dispatches_per_step']:,.0f} | {r.get('copies_per_step') or 0:,} ({r.get('copy_mb_per_step') or 0:,.1f}) | {init} |")
     if result["projection_hours"]:
         print("\n| tokens, GPUs | projected wall time (h) |\n|---|---|")
         for k, h in result["projection_hours"].items():
@@ -257,6 +266,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="one run within this many seconds: micro-batch 4 (or --micro-batch), --steps, exit 1 if over")
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="the trainer's precision (auto: bf16 autocast on a GPU; --tiny --precision bf16 counts a GPU "
+                    "step's casts on the CPU)")
     ap.add_argument("--profile", action="store_true", help="also print a torch.profiler table of one steady-state step "
                     "(its overhead enters that run's timing: compare speeds from runs without it)")
     ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
@@ -294,7 +306,7 @@ def main() -> None:
     rows = []
     for b in batches:
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing, args.profile)
+                       args.gradient_checkpointing, args.profile, args.precision)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

@@ -48,9 +48,14 @@ class _Dispatches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.counter.dispatches += 1
+        self.counter.ops[name] += 1
         if name in SYNC_OPS or (name == "index" and _has_bool_index(args)):
             self.counter._hit(f"aten.{name}")
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.counter.out_bytes[name] += t.numel() * t.element_size()
+        return out
 
 
 def _has_bool_index(args: tuple) -> bool:
@@ -60,7 +65,8 @@ def _has_bool_index(args: tuple) -> bool:
 
 
 class HostSyncCounter:
-    """Count host synchronisations (``syncs``, by name in ``by_name``) and ATen dispatches (``dispatches``) while
+    """Count host synchronisations (``syncs``, by name in ``by_name``) and ATen dispatches (``dispatches``; by
+    operator in ``ops``, with the bytes of their outputs in ``out_bytes``: a step's copies and casts show there) while
     active. Nested Python reads inside a counted one (``float(t)`` calling ``item``) count once per dispatcher read
     plus once per outermost Python call; any non-zero ``syncs`` means the code waits on the device."""
 
@@ -68,6 +74,8 @@ class HostSyncCounter:
         self.by_name: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[str] = collections.Counter()  # "file:line" of the Python call that read
         self.dispatches = 0
+        self.ops: collections.Counter[str] = collections.Counter()  # dispatches by ATen operator
+        self.out_bytes: collections.Counter[str] = collections.Counter()  # bytes of their outputs (views count too)
         self._saved: list[tuple[Any, str, Any]] = []
         self._mode: _Dispatches | None = None
         self._depth = 0
