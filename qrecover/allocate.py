@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .allocate_solver import knapsack
+
 __all__ = [
     "Choice",
     "InfeasibleBudget",
@@ -39,9 +41,6 @@ __all__ = [
 
 #: Largest number of choices a layer may offer; back-pointers are ``uint8``.
 MAX_CHOICES_PER_LAYER = 256
-
-#: States per block of the DP inner loop (sized to stay in L2 cache).
-_BLOCK = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -200,6 +199,19 @@ def _validate(
     return names, sizes, damages
 
 
+def _size_range(sizes: list[list[int]], budget_bytes: int) -> tuple[int, int]:
+    """The smallest and largest possible plan sizes, ``(base, max_bytes)``, in bytes.
+
+    Raises:
+        InfeasibleBudget: ``budget_bytes < base``, so no plan fits.
+    """
+    base = sum(min(s) for s in sizes)
+    max_bytes = sum(max(s) for s in sizes)
+    if budget_bytes < base:
+        raise InfeasibleBudget(budget_bytes, base, max_bytes)
+    return base, max_bytes
+
+
 def _make_plan(
     names: list[str],
     sizes: list[list[int]],
@@ -290,24 +302,41 @@ def allocate(
     if not _is_int(max_states) or max_states <= 0:
         raise ValueError(f"max_states must be a positive int, got {max_states!r}")
     names, sizes, damages = _validate(table, budget_bytes)
-    n_layers = len(names)
-
-    mins = [min(s) for s in sizes]
-    base = sum(mins)
-    max_bytes = sum(max(s) for s in sizes)
-    if budget_bytes < base:
-        raise InfeasibleBudget(budget_bytes, base, max_bytes)
-
+    base, max_bytes = _size_range(sizes, budget_bytes)
     if budget_bytes >= max_bytes:
-        # Every plan fits: least damage per layer, then fewest bytes, then
-        # lowest index.
-        picks = [
-            min(range(len(s)), key=lambda c, s=s, d=d: (d[c], s[c], c))
-            for s, d in zip(sizes, damages)
-        ]
-        return _make_plan(names, sizes, damages, picks, 0)
+        return _make_plan(names, sizes, damages, _least_damage_picks(sizes, damages), 0)
 
-    slack = budget_bytes - base
+    weights, n_states, gap = _unit_weights(sizes, budget_bytes - base, max_states)
+    picks = knapsack(weights, damages, n_states)
+    return _make_plan(names, sizes, damages, picks, gap)
+
+
+def _least_damage_picks(sizes: list[list[int]], damages: list[list[float]]) -> list[int]:
+    """Each layer's own best choice, for a budget that every plan fits.
+
+    Least damage per layer, then fewest bytes, then lowest index.
+    """
+    return [
+        min(range(len(s)), key=lambda c, s=s, d=d: (d[c], s[c], c))
+        for s, d in zip(sizes, damages)
+    ]
+
+
+def _unit_weights(
+    sizes: list[list[int]], slack: int, max_states: int
+) -> tuple[list[list[int]], int, int]:
+    """Each choice's extra bytes above its layer's smallest, in DP units of ``u`` bytes.
+
+    Exact when ``slack // gcd(extras) <= max_states`` (``u`` is that gcd);
+    otherwise ``u = ceil(slack / max_states)`` and extras are rounded up, so
+    the plan still fits (see :func:`allocate`).
+
+    Returns:
+        ``(weights, n_states, bound_gap_bytes)``: ``weights[i][c]`` in units,
+        the DP capacity ``slack // u`` in units, and ``0`` (exact) or
+        ``n_layers * u`` (scaled).
+    """
+    mins = [min(s) for s in sizes]
     extras = [[b - m for b in s] for s, m in zip(sizes, mins)]
     g = 0
     for ex in extras:
@@ -320,123 +349,10 @@ def allocate(
         weights = [[e // u for e in ex] for ex in extras]
     else:
         u = -(-slack // max_states)
-        gap = n_layers * u
+        gap = len(sizes) * u
         weights = [[-(-e // u) for e in ex] for ex in extras]
     n_states = slack // u  # DP capacity in units; states 0..n_states
-
-    picks = _knapsack(weights, damages, n_states)
-    return _make_plan(names, sizes, damages, picks, gap)
-
-
-def _knapsack(weights: list[list[int]], damages: list[list[float]], S: int) -> list[int]:
-    """Multiple-choice knapsack DP with integer weights and capacity ``S``.
-
-    ``dp[s]`` is the least damage of the layers seen so far using *at most*
-    ``s`` units, for ``s = 0..S``.  Every layer has a weight-0 choice, so
-    every state is reachable and ``dp`` is finite and non-increasing.
-    After layer ``i`` only states ``0..hi_i`` (``hi_i = min(S, sum of the
-    largest weights of layers 0..i)``) are distinct: ``dp`` is constant
-    beyond ``hi_i``, and so is the back-pointer.  Only that prefix is
-    computed and stored.
-
-    Returns the chosen index per layer.
-    """
-    dp = np.zeros(S + 1, dtype=np.float64)
-    new = np.empty(S + 1, dtype=np.float64)
-    B = _BLOCK
-    cand = np.empty(B, dtype=np.float64)
-    mask = np.empty(B, dtype=bool)
-    mask8 = mask.view(np.uint8)
-    tmp8 = np.empty(B, dtype=np.uint8)
-
-    # back[i] is None for layers whose choice does not depend on the state
-    # (all weights zero); otherwise a uint8 array of length hi_i + 1.
-    back: list[np.ndarray | None] = []
-    fixed: list[int] = []  # the choice of state-independent layers
-    his: list[int] = []
-    hi_prev = 0
-    for w_row, d_row in zip(weights, damages):
-        wmax = max(w_row)
-        if wmax == 0:
-            # every choice costs 0 units: least damage, lowest index.
-            c_best = min(range(len(d_row)), key=lambda c: (d_row[c], c))
-            if d_row[c_best] != 0.0:
-                dp += d_row[c_best]
-            back.append(None)
-            fixed.append(c_best)
-            his.append(hi_prev)
-            continue
-
-        hi = min(S, hi_prev + wmax)
-        L = hi + 1
-        bp = np.zeros(L, dtype=np.uint8)
-        # A choice that can never be the (lowest-index) argmin is skipped:
-        # one that does not fit at all, or one dominated by another choice
-        # that costs no more units and has less damage (or equal damage and
-        # a lower index), since dp is non-increasing in s.
-        k = len(w_row)
-        live = [
-            (c, w_row[c], d_row[c])
-            for c in range(k)
-            if w_row[c] <= hi
-            and not any(
-                w_row[o] <= w_row[c] and (d_row[o] < d_row[c] or (d_row[o] == d_row[c] and o < c))
-                for o in range(k)
-                if o != c
-            )
-        ]
-        # dp beyond hi_prev equals dp[hi_prev] (kept filled), so reading
-        # dp[s - w] for any s <= hi is valid.  The state axis is processed in
-        # cache-sized blocks; within a block, choices in increasing index.
-        for a in range(0, L, B):
-            b = min(L, a + B)
-            nv = new[a:b]
-            nv.fill(np.inf)
-            bpb = bp[a:b]
-            for c, w, d in live:
-                lo = max(a, w)  # states below w cannot take this choice
-                if lo >= b:
-                    continue
-                m = b - lo
-                seg = new[lo:b]
-                cb = cand[:m]
-                np.add(dp[lo - w : b - w], d, out=cb)
-                mk = mask[:m]
-                np.less(cb, seg, out=mk)  # strict: lower index wins exact ties
-                np.minimum(seg, cb, out=seg)
-                if c:
-                    # Choices come in increasing index, so every index stored
-                    # so far is < c and "bp = c where mk" is max(bp, mk * c),
-                    # far faster than a masked copy.
-                    t8 = tmp8[:m]
-                    np.multiply(mask8[:m], np.uint8(c), out=t8)
-                    bseg = bpb[lo - a :]
-                    np.maximum(bseg, t8, out=bseg)
-        # states 0..hi are final; beyond hi the value is constant.
-        if L <= S:
-            new[L:] = new[hi]
-        dp, new = new, dp
-        back.append(bp)
-        fixed.append(-1)
-        his.append(hi)
-        hi_prev = hi
-
-    # Among states with exactly the optimal value, start from the smallest.
-    best = dp[S]
-    s = int(np.argmax(dp <= best))
-
-    picks = [0] * len(weights)
-    for i in range(len(weights) - 1, -1, -1):
-        bp = back[i]
-        if bp is None:
-            picks[i] = fixed[i]
-            continue
-        si = min(s, his[i])
-        c = int(bp[si])
-        picks[i] = c
-        s = si - weights[i][c]
-        assert s >= 0
-    return picks
+    return weights, n_states, gap
 
 
 # --------------------------------------------------------------------------
@@ -504,10 +420,7 @@ def allocate_by_position(table: Mapping[str, Sequence[Choice]], budget_bytes: in
         ValueError: invalid input (as for :func:`allocate`).
     """
     names, sizes, damages = _validate(table, budget_bytes)
-    base = sum(min(s) for s in sizes)
-    max_bytes = sum(max(s) for s in sizes)
-    if budget_bytes < base:
-        raise InfeasibleBudget(budget_bytes, base, max_bytes)
+    _, max_bytes = _size_range(sizes, budget_bytes)
 
     # Per layer: distinct sizes, largest first, each with its lowest index.
     ladders: list[list[int]] = []

@@ -98,24 +98,9 @@ def compress(
     json_out: bool = JsonOpt,
 ) -> None:
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
-    params: dict = {}
-    if group_size is not None:
-        params["group_size"] = group_size
-    if block_size is not None:
-        params["block_size"] = block_size
-    if scheme_param:
-        from ..stages.specs import parse_params  # lazy: the scheme registry imports torch
-
-        params.update(parse_params(scheme_param))
+    params = _scheme_params(group_size, block_size, scheme_param)
     widths = parse_ints(bits, "--bits") if bits is not None else None
-    n_encodings = (len([e for e in encodings.split(",") if e.strip()]) if encodings
-                   else len(widths) if widths is not None else 3 if scheme is not None else 0)
-    if uniform or (bpw is None and n_encodings == 1):
-        if bpw is not None:
-            raise QRecoverError(f"--uniform and --bpw {bpw} contradict each other; drop one")
-        target = None
-    else:
-        target = 3.7 if bpw is None else bpw
+    target = _target_bpw(bpw, uniform, widths, encodings, scheme)
     cfg = CompressConfig(
         model=model, bpw=target, scope=scope, bits=widths, scheme=scheme,
         scheme_params=params, embedding_bits=embedding_bits, allocation=allocation, calib_data=calib_data,
@@ -123,14 +108,11 @@ def compress(
         finalize=finalize, finalize_groups=finalize_groups, device=device,
     )
     # the options are valid: now the heavy modules (torch, transformers; seconds to import)
-    from ..api import compress as run  # lazy (all three): torch and transformers take seconds to import
+    from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
     from ..distributed import join
-    from ..models import DEFAULT_MODEL
 
     if out is None:
-        name = Path(model).stem if model else DEFAULT_MODEL
-        uniform_name = (encodings or "").strip().replace(":", "").replace("/", "-").replace("+", "-") or f"{cfg.bits[0]}bit"
-        out = Path("out") / (f"{name}-{cfg.bpw}bpw" if cfg.bpw is not None else f"{name}-uniform{uniform_name}")
+        out = _default_out(model, cfg, encodings)
     rank = join().rank  # under torchrun: one process of several (qrecover.distributed); rank 0 writes and prints
     manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out and rank == 0)  # bad specs fail before any work
     if rank > 0:
@@ -142,6 +124,47 @@ def compress(
     if json_out:
         emit_json(summary)
         return
+    _print_written(out, manifest)
+
+
+def _scheme_params(group_size: Optional[int], block_size: Optional[int], scheme_param: Optional[list[str]]) -> dict:
+    """The linear layers' scheme parameters from --group-size, --block-size and every --scheme-param KEY=VALUE."""
+    params: dict = {}
+    if group_size is not None:
+        params["group_size"] = group_size
+    if block_size is not None:
+        params["block_size"] = block_size
+    if scheme_param:
+        from ..stages.specs import parse_params  # lazy: the scheme registry imports torch
+
+        params.update(parse_params(scheme_param))
+    return params
+
+
+def _target_bpw(bpw: Optional[float], uniform: bool, widths: Optional[list[int]], encodings: Optional[str],
+                scheme: Optional[str]) -> Optional[float]:
+    """The budget in bits per weight, or None for a uniform model: --uniform, or no --bpw and a single encoding
+    (one --bits width, or one spec in --encodings); otherwise --bpw, by default 3.7."""
+    n_encodings = (len([e for e in encodings.split(",") if e.strip()]) if encodings
+                   else len(widths) if widths is not None else 3 if scheme is not None else 0)
+    if uniform or (bpw is None and n_encodings == 1):
+        if bpw is not None:
+            raise QRecoverError(f"--uniform and --bpw {bpw} contradict each other; drop one")
+        return None
+    return 3.7 if bpw is None else bpw
+
+
+def _default_out(model: Optional[str], cfg: CompressConfig, encodings: Optional[str]) -> Path:
+    """out/MODEL-BPWbpw, or out/MODEL-uniformENCODING for a uniform model."""
+    from ..models import DEFAULT_MODEL  # lazy: qrecover.models imports torch
+
+    name = Path(model).stem if model else DEFAULT_MODEL
+    uniform_name = (encodings or "").strip().replace(":", "").replace("/", "-").replace("+", "-") or f"{cfg.bits[0]}bit"
+    return Path("out") / (f"{name}-{cfg.bpw}bpw" if cfg.bpw is not None else f"{name}-uniform{uniform_name}")
+
+
+def _print_written(out: Path, manifest: dict) -> None:
+    """One line for people: where the model went, its measured bpw, bytes and time, and the mix of encodings."""
     from collections import Counter
 
     from rich.markup import escape

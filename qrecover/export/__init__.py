@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..errors import QRecoverError
 from ..io_utils import atomic_dir
-from .common import check_adapter, parse_requantize, read_checkpoint, write_binding, write_meta
+from .common import Checkpoint, check_adapter, parse_requantize, read_checkpoint, write_binding, write_meta
 from .compressed_tensors import plan
 from .gguf_format import arch_of
 from .merge import cost_lines, merged_checkpoint
@@ -48,16 +48,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
     if fmt not in FORMATS:
         raise QRecoverError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     checkpoint, out = Path(checkpoint), Path(out)
-    if out.exists() and not overwrite:
-        raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
-    if merge_adapter and adapter is None:
-        raise QRecoverError("--merge-adapter needs --adapter DIR (the recovery adapter to merge into the weights)")
-    if merge_adapter and (merge_windows < 1 or cost_windows < 1):
-        raise QRecoverError(f"--merge-windows {merge_windows} / --cost-windows {cost_windows}: both must be 1 or more "
-                            "(defaults 8 and 8)")
-    if requantize is not None and fmt != "compressed-tensors":
-        raise QRecoverError(f"--requantize applies to --format compressed-tensors; --format {fmt} converts the layers it "
-                            "cannot hold by itself and reports the loss")
+    _check_options(fmt, out, overwrite, adapter, merge_adapter, requantize, merge_windows, cost_windows)
     spec = parse_requantize(requantize)
     _require(fmt)
     adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
@@ -65,14 +56,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
                             "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
-    if online := ckpt.manifest.get("transforms", {}).get("online"):
-        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {', '.join(online)} (rot+ on a tied head: the final "
-                            f"norm runs un-rotated); --format {fmt} cannot hold it: compress without rot+ in --encodings, or load it "
-                            "with qrecover.load")
-    if ckpt.manifest.get("moe", {}).get("unfused"):
-        raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
-                            f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "
-                            f"{fmt} is not supported yet: load it with qrecover.load")
+    _check_exportable(ckpt, checkpoint, fmt)
     merge = None
     if merge_adapter:
         if fmt == "compressed-tensors" and spec is None:
@@ -82,31 +66,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         ckpt, merge = merged_checkpoint(ckpt, adapter, merge_windows, cost_windows, log)
         adapter = None  # in the weights now: not also exported beside them
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        if fmt == "gguf":
-            from .gguf_format import export_gguf, export_gguf_adapter
-
-            report = export_gguf(ckpt, tmp, log)
-            base_file = tmp / report["file"]
-            if adapter is not None:
-                (tmp / ADAPTER_DIR).mkdir()
-                report["adapter"] = export_gguf_adapter(Path(adapter), ckpt, tmp / ADAPTER_DIR)
-        elif fmt == "coreml":
-            from .coreml import export_coreml
-
-            report = export_coreml(ckpt, tmp, log)
-            base_file = tmp / report["file"]
-        else:
-            from .compressed_tensors import export_compressed_tensors
-
-            report = export_compressed_tensors(ckpt, tmp, spec, log)
-            base_file = tmp / report["file"]
-            if adapter is not None:
-                shutil.copytree(adapter, tmp / ADAPTER_DIR)
-                cfg_path = tmp / ADAPTER_DIR / "adapter_config.json"
-                acfg = json.loads(cfg_path.read_text())
-                acfg["base_model_name_or_path"] = str(out.resolve())  # the exported base, where it will be
-                cfg_path.write_text(json.dumps(acfg, indent=2) + "\n")
-                report["adapter"] = {"dir": ADAPTER_DIR, "layout": "PEFT (adapter_config.json + adapter_model.safetensors)"}
+        report, base_file = _write_format(fmt, ckpt, tmp, spec, adapter, out, log)
         if adapter is not None:
             report["adapter"]["binding"] = write_binding(tmp / ADAPTER_DIR, Path(adapter), adapter_meta, base_file, checkpoint)
         if merge is not None:
@@ -118,6 +78,65 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         report["seconds"] = round(time.time() - t0, 1)
         write_meta(tmp, report)
     return report
+
+
+def _check_options(fmt: str, out: Path, overwrite: bool, adapter: str | Path | None, merge_adapter: bool,
+                   requantize: str | None, merge_windows: int, cost_windows: int) -> None:
+    """Refuse a request whose options contradict each other or the output directory, before any work."""
+    if out.exists() and not overwrite:
+        raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
+    if merge_adapter and adapter is None:
+        raise QRecoverError("--merge-adapter needs --adapter DIR (the recovery adapter to merge into the weights)")
+    if merge_adapter and (merge_windows < 1 or cost_windows < 1):
+        raise QRecoverError(f"--merge-windows {merge_windows} / --cost-windows {cost_windows}: both must be 1 or more "
+                            "(defaults 8 and 8)")
+    if requantize is not None and fmt != "compressed-tensors":
+        raise QRecoverError(f"--requantize applies to --format compressed-tensors; --format {fmt} converts the layers it "
+                            "cannot hold by itself and reports the loss")
+
+
+def _check_exportable(ckpt: Checkpoint, checkpoint: Path, fmt: str) -> None:
+    """Refuse a checkpoint that no export format holds yet: an online rotation, or experts quantized one by one."""
+    if online := ckpt.manifest.get("transforms", {}).get("online"):
+        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {', '.join(online)} (rot+ on a tied head: the final "
+                            f"norm runs un-rotated); --format {fmt} cannot hold it: compress without rot+ in --encodings, or load it "
+                            "with qrecover.load")
+    if ckpt.manifest.get("moe", {}).get("unfused"):
+        raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
+                            f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "
+                            f"{fmt} is not supported yet: load it with qrecover.load")
+
+
+def _write_format(fmt: str, ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] | None, adapter: str | Path | None, out: Path,
+                  log: Callable[[str], None]) -> tuple[dict[str, Any], Path]:
+    """Write the base in ``fmt`` into ``tmp`` (and the adapter beside it, where the format has one); return the
+    format's report and the base's file (or directory)."""
+    if fmt == "gguf":
+        from .gguf_format import export_gguf, export_gguf_adapter
+
+        report = export_gguf(ckpt, tmp, log)
+        base_file = tmp / report["file"]
+        if adapter is not None:
+            (tmp / ADAPTER_DIR).mkdir()
+            report["adapter"] = export_gguf_adapter(Path(adapter), ckpt, tmp / ADAPTER_DIR)
+    elif fmt == "coreml":
+        from .coreml import export_coreml
+
+        report = export_coreml(ckpt, tmp, log)
+        base_file = tmp / report["file"]
+    else:
+        from .compressed_tensors import export_compressed_tensors
+
+        report = export_compressed_tensors(ckpt, tmp, spec, log)
+        base_file = tmp / report["file"]
+        if adapter is not None:
+            shutil.copytree(adapter, tmp / ADAPTER_DIR)
+            cfg_path = tmp / ADAPTER_DIR / "adapter_config.json"
+            acfg = json.loads(cfg_path.read_text())
+            acfg["base_model_name_or_path"] = str(out.resolve())  # the exported base, where it will be
+            cfg_path.write_text(json.dumps(acfg, indent=2) + "\n")
+            report["adapter"] = {"dir": ADAPTER_DIR, "layout": "PEFT (adapter_config.json + adapter_model.safetensors)"}
+    return report, base_file
 
 
 __all__ = ["FORMATS", "cost_lines", "export"]

@@ -64,63 +64,21 @@ def plan(ckpt: Checkpoint, spec: tuple[int, int] | None) -> tuple[dict[str, Any]
 def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] | None, log) -> dict[str, Any]:
     """Write a transformers model directory with a compressed-tensors ``quantization_config`` into ``tmp``."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+    from transformers import AutoTokenizer, GenerationConfig
 
     t0 = time.time()
     layouts, report = plan(ckpt, spec)
-    config = AutoConfig.from_pretrained(ckpt.path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty made new parameters
-    state = {k: v.float() for k, v in ckpt.remainder.items()}
     # transformers cannot load a compressed-tensors quantized nn.Embedding: the embedding is written dense, in
     # float32 (an 8-bit value scale * int needs up to 18 significant bits: fp16 would round it); a tied output
     # projection stays tied to it
     targets = {n: lay for n, lay in layouts.items() if ckpt.kind(n) != "embedding"}
-    for name, lay in layouts.items():
-        state[f"{name}.weight"] = layout_dequantize(lay)
-        if name not in targets:
-            report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq") and not (ckpt.tied and k.endswith("lm_head.weight"))]
-    if missing or unexpected:
-        raise QRecoverError(f"checkpoint {str(ckpt.path)!r} does not match its config: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
-    model.model.rotary_emb.__init__(config)  # its non-persistent buffer is not in the state dict
-    dense = [m.weight for n, m in model.named_modules() if n in layouts and n not in targets]
-
-    groups: dict[tuple, list[str]] = {}
-    for name, lay in targets.items():
-        # one scale per row: the channel strategy (any row length); else groups of the block's size
-        channel = lay.block == lay.codes.shape[1] and ckpt.layers[name].params.get("block_size", 0) is None
-        groups.setdefault((lay.bits, 0 if channel else lay.block, lay.symmetric), []).append(name)
-    schemes = {}
-    for i, ((bits, block, sym), names) in enumerate(sorted(groups.items())):
-        args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="channel" if block == 0 else "group",
-                                group_size=None if block == 0 else block)
-        schemes[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args)
+    model, dense = _dense_model(ckpt, layouts, targets, report)
+    schemes = _config_groups(ckpt, targets)
     qconfig = QuantizationConfig(config_groups=schemes, format="pack-quantized",
                                  quantization_status=QuantizationStatus.FROZEN)
     apply_quantization_config(model, qconfig, show_progress=False)
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name, lay in targets.items():
-            mod = modules[name]
-            if not hasattr(mod, "weight_scale"):
-                raise QRecoverError(f"internal error: compressed-tensors did not initialise {name}")
-            half = 2 ** (lay.bits - 1)
-            mod.weight_scale.data = lay.scale.float().reshape(mod.weight_scale.shape).clone()
-            if hasattr(mod, "weight_zero_point"):
-                zp = (lay.zero_point.to(torch.int16) - half) if not lay.symmetric else torch.zeros_like(lay.zero_point, dtype=torch.int16)
-                mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape).clone()
+    _set_scales(model, targets)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
     compressor.remove_decompression_hook(model)
@@ -135,14 +93,78 @@ def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int]
         GenerationConfig.from_pretrained(ckpt.path).save_pretrained(tmp)
     for name, r in report.items():
         log(f"  {name:<44} {r['scheme']:<16} {'exact' if r['exact'] else 'rel. error %.2e' % r['rel_error']}")
+    files = sorted(p.name for p in tmp.glob("*.safetensors"))
+    return {"file": files[0] if len(files) == 1 else WEIGHTS_FILE, "layers": report,
+            "exact_layers": sum(r["exact"] for r in report.values()), "total_layers": len(report),
+            "total_rel_error": _total_rel_error(ckpt, report),
+            "config_groups": {k: {"targets": len(v.targets), "weights": v.weights.model_dump(exclude_none=True)}
+                              for k, v in schemes.items()},
+            "seconds": round(time.time() - t0, 1)}
+
+
+def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, Any], report: dict[str, dict]
+                 ) -> tuple[Any, list[torch.Tensor]]:
+    """The transformers model of ``ckpt`` in float32 with every weight dequantized from its layout; returns it and
+    the weights of the layers written dense (not in ``targets``: the embedding), marked so in ``report``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ckpt.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty made new parameters
+    state = {k: v.float() for k, v in ckpt.remainder.items()}
+    for name, lay in layouts.items():
+        state[f"{name}.weight"] = layout_dequantize(lay)
+        if name not in targets:
+            report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq") and not (ckpt.tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise QRecoverError(f"checkpoint {str(ckpt.path)!r} does not match its config: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    model.model.rotary_emb.__init__(config)  # its non-persistent buffer is not in the state dict
+    return model, [m.weight for n, m in model.named_modules() if n in layouts and n not in targets]
+
+
+def _config_groups(ckpt: Checkpoint, targets: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors' ``config_groups``: one ``QuantizationScheme`` per (bits, group size, symmetry) in use."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    groups: dict[tuple, list[str]] = {}
+    for name, lay in targets.items():
+        # one scale per row: the channel strategy (any row length); else groups of the block's size
+        channel = lay.block == lay.codes.shape[1] and ckpt.layers[name].params.get("block_size", 0) is None
+        groups.setdefault((lay.bits, 0 if channel else lay.block, lay.symmetric), []).append(name)
+    schemes = {}
+    for i, ((bits, block, sym), names) in enumerate(sorted(groups.items())):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="channel" if block == 0 else "group",
+                                group_size=None if block == 0 else block)
+        schemes[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args)
+    return schemes
+
+
+def _set_scales(model: Any, targets: dict[str, Any]) -> None:
+    """Copy each target layer's scales (and zero points, as compressed-tensors' signed ones) into the modules that
+    ``apply_quantization_config`` prepared."""
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, lay in targets.items():
+            mod = modules[name]
+            if not hasattr(mod, "weight_scale"):
+                raise QRecoverError(f"internal error: compressed-tensors did not initialise {name}")
+            half = 2 ** (lay.bits - 1)
+            mod.weight_scale.data = lay.scale.float().reshape(mod.weight_scale.shape).clone()
+            if hasattr(mod, "weight_zero_point"):
+                zp = (lay.zero_point.to(torch.int16) - half) if not lay.symmetric else torch.zeros_like(lay.zero_point, dtype=torch.int16)
+                mod.weight_zero_point.data = zp.to(mod.weight_zero_point.dtype).reshape(mod.weight_zero_point.shape).clone()
+
+
+def _total_rel_error(ckpt: Checkpoint, report: dict[str, dict]) -> float:
+    """The relative error of the converted layers together (each layer's weighted by its squared norm); 0 if all
+    are exact."""
     num = sum(r["rel_error"] ** 2 * ckpt.layers[n].dequantize().double().pow(2).sum().item()
               for n, r in report.items() if not r["exact"] and n in ckpt.layers)
     den = sum(ckpt.layers[n].dequantize().double().pow(2).sum().item() for n, r in report.items()
               if not r["exact"] and n in ckpt.layers)
-    files = sorted(p.name for p in tmp.glob("*.safetensors"))
-    return {"file": files[0] if len(files) == 1 else WEIGHTS_FILE, "layers": report,
-            "exact_layers": sum(r["exact"] for r in report.values()), "total_layers": len(report),
-            "total_rel_error": (num / den) ** 0.5 if den else 0.0,
-            "config_groups": {k: {"targets": len(v.targets), "weights": v.weights.model_dump(exclude_none=True)}
-                              for k, v in schemes.items()},
-            "seconds": round(time.time() - t0, 1)}
+    return (num / den) ** 0.5 if den else 0.0

@@ -269,29 +269,15 @@ def remainder_tensor(name: str, value: torch.Tensor, arch: GGUFArch, n_head: int
     return v.numpy()
 
 
-def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
-    """Write ``tmp/model.gguf``; return the per-layer report."""
-    gguf = _gguf()
-    t0 = time.time()
-    arch, cfg = _arch_config(ckpt)
-    n_layers = cfg.num_hidden_layers
+def _add_model_keys(writer: Any, gguf: Any, ckpt: Checkpoint, arch: GGUFArch, cfg: Any) -> None:
+    """The model's metadata keys llama.cpp reads: its name, shape, attention heads, RoPE, norm epsilon, sliding
+    window and soft-capping (where the architecture has them), vocabulary size."""
     n_head, n_kv, head_dim = _heads(cfg)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.model_arch), n_layers)
-
-    def gname(hf: str) -> str:
-        base, _, suffix = hf.rpartition(".")
-        mapped = names.get_name(base)
-        if mapped is None:
-            raise QRecoverError(f"tensor {hf!r} has no GGUF name for a {arch.gguf} model; this checkpoint cannot be "
-                                "exported to GGUF")
-        return f"{mapped}.{suffix}"
-
-    writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch.gguf)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(Path(ckpt.manifest.get("source", {}).get("name") or ckpt.path.name).name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(n_layers)
+    writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
@@ -309,6 +295,26 @@ def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
         if cfg.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def export_gguf(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
+    """Write ``tmp/model.gguf``; return the per-layer report."""
+    gguf = _gguf()
+    t0 = time.time()
+    arch, cfg = _arch_config(ckpt)
+    n_head, n_kv, _ = _heads(cfg)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.model_arch), cfg.num_hidden_layers)
+
+    def gname(hf: str) -> str:
+        base, _, suffix = hf.rpartition(".")
+        mapped = names.get_name(base)
+        if mapped is None:
+            raise QRecoverError(f"tensor {hf!r} has no GGUF name for a {arch.gguf} model; this checkpoint cannot be "
+                                "exported to GGUF")
+        return f"{mapped}.{suffix}"
+
+    writer = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch.gguf)
+    _add_model_keys(writer, gguf, ckpt, arch, cfg)
     tokenizer = add_tokenizer(writer, ckpt, cfg.vocab_size)
 
     layers: dict[str, Any] = {}

@@ -4,13 +4,8 @@ Scaling is accelerate's: ``qrecover recover ...`` runs on one process; ``acceler
 recover ...`` (or ``torchrun``) runs data parallel, each process taking every ``world``-th sequence of the same
 deterministic data stream. Only the LoRA weights train; the packed base weights are buffers and never change.
 
-**Sharded base** (``cfg.shard_base`` on several processes): the packed tensors become frozen parameters and torch's
-FSDP2 (``fully_shard``) shards them, each decoder layer one group gathered as it runs and the rest of the model
-(embedding, final norm, head) the root group, so a process holds ``1/world`` of the base at rest (tested: 2 CPU
-processes hold half the tiny model's packed bytes each). The adapter is left out of FSDP (``ignored_params``): it
-stays whole on every process, as under DDP, its gradients averaged by one all-reduce per optimizer step
-(:func:`_average_adapter_grads`), so checkpoints and the exported adapter are the unsharded run's, and a sharded
-run resumes unsharded and the reverse (tested). accelerate's own FSDP plugin (``--use_fsdp``) stays refused.
+The launch modes and the sharded base (``cfg.shard_base``) are :mod:`.parallel`'s; checkpoints and resuming are
+:mod:`.checkpoints`'.
 
 **Global batch.** An optimizer step takes ``batch_size * grad_accum * world`` sequences (the global batch) and
 its loss is the mean over every loss-carrying token of them (each micro-batch's mean weighted by its share of
@@ -25,15 +20,6 @@ x grad_accum 2); every other setting that defines the run must be the same (:fun
 run's main process restores (the others reseed from ``(seed, rank, step)``). Nothing in training draws random
 numbers unless ``dropout > 0`` (off by default); with dropout, masks differ between world sizes, so only
 dropout-free runs are equal across them.
-
-Resumability: every ``checkpoint_every`` optimizer steps the main process writes ``checkpoints/step-N.pt``
-(adapter weights in fp32, optimizer, scheduler, step, tokens, the data loader's exact position and every RNG
-state) atomically. ``resume=True`` continues from the newest one, and the run ends where an uninterrupted run
-would (tested: same weights).
-
-A checkpoint holds tensors and plain values only (dicts, lists, numbers, strings: the RNG states as tensors and
-lists), and is read with ``torch.load(weights_only=True)``: a checkpoint directory from someone else cannot run
-code (a file with any other pickled object is refused).
 """
 
 from __future__ import annotations
@@ -41,9 +27,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
-import pickle
-import random
 import resource
 import time
 import warnings
@@ -51,23 +34,38 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 from rich.progress import TextColumn
 
 from ..errors import QRecoverError
-from ..io_utils import atomic_file
 from ..models import decoder_layers
 from ..progress import progress
-from ..qlinear import QuantLinear, local_packed_bytes, packed_as_parameters
+from ..qlinear import QuantLinear
 from . import objective
 from .attention import causal_sdpa
+from .checkpoints import (
+    CHECKPOINTS,
+    check_resume,  # noqa: F401  (re-exported, as the names below marked so: callers and tests read them here)
+    checkpoint_state,
+    checkpoint_world,  # noqa: F401
+    latest_checkpoint,
+    load_checkpoint,  # noqa: F401
+    resume_from,
+    save_checkpoint,
+    trainable,
+)
 from .config import RecoverConfig
+from .parallel import (
+    average_adapter_grads,
+    check_distributed,
+    cpu_only,
+    packed_bytes_per_process,
+    process_state,  # noqa: F401  (re-exported)
+    requested_distributed,
+    shard_base,
+)
 from .schedule import lr_scheduler
-
-CHECKPOINTS = "checkpoints"
-CHECKPOINT_FORMAT = 2  # 2: plain values only (weights_only loading); 1 pickled numpy and Python RNG objects
 
 
 class NonFiniteLoss(QRecoverError):
@@ -96,114 +94,6 @@ def mixed_precision(cfg: RecoverConfig) -> str:
     return "bf16" if cfg.precision == "bf16" else "no"
 
 
-def cpu_only() -> bool:
-    """No accelerator device (GPU, XPU, MPS...) in this process. accelerate then needs ``cpu=True`` to join the
-    process group of ``torchrun`` or ``accelerate launch`` (gloo): without it every process of a CPU launch
-    would train alone, on all the data (measured: accelerate 1.15 reports 1 process of 1 under torchrun)."""
-    has = getattr(torch, "accelerator", None)
-    return not (has.is_available() if has is not None else torch.cuda.is_available())
-
-
-def process_state() -> Any:
-    """accelerate's view of this launch (rank, world, barriers), joining its process group if it has one."""
-    from accelerate import PartialState
-
-    return PartialState(cpu=cpu_only())
-
-
-def check_distributed(kind: Any) -> None:
-    """Refuse a launch mode the loop does not support: only one process or data parallel (DDP, on GPUs or CPUs),
-    the base optionally sharded by the loop itself (``--shard-base``, :func:`shard_base`).
-
-    ``kind``: accelerate's ``DistributedType`` (or its value). accelerate's FSDP plugin is refused: it would shard
-    the parameters it finds, the small adapter (the frozen base is buffers), which checkpoints and the exported
-    adapter read whole on the main process; on CPU it does not start at all. DeepSpeed and Megatron-LM likewise
-    wrap the optimizer and parameters in ways this loop does not handle."""
-    name = str(getattr(kind, "value", kind)).upper()
-    if name == "FSDP":
-        raise QRecoverError(
-            "FSDP through accelerate (accelerate launch --use_fsdp, or an accelerate config with distributed_type FSDP) "
-            "is not supported: its plugin would shard the small adapter, not the quantized base (held in buffers). "
-            "To shard the base, launch with torchrun (or accelerate launch without --use_fsdp) and pass --shard-base "
-            "(with --gradient-checkpointing): torch's FSDP2 then shards the packed base weights across the processes, "
-            "each decoder layer gathered as it runs")
-    if name in ("DEEPSPEED", "MEGATRON_LM"):
-        raise QRecoverError(f"accelerate's {name} mode is not supported by the recovery loop; launch data parallel "
-                            "(accelerate launch without --use_deepspeed/--use_megatron_lm, or torchrun)")
-
-
-def requested_distributed() -> str:
-    """The launch mode ``accelerate launch`` asked for through the environment ("FSDP", "DEEPSPEED", "MEGATRON_LM"),
-    or "NO": read before accelerate builds a plugin (its FSDP plugin raises a RuntimeError on a machine without
-    GPUs before our message could say why)."""
-    for kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        if os.environ.get(f"ACCELERATE_USE_{kind}", "false").lower() in ("1", "true", "yes"):
-            return kind
-    return "NO"
-
-
-def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG state as tensors and plain values (what ``weights_only`` loading accepts)."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss},
-             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A training checkpoint, read with ``weights_only=True``: tensors and plain values, never code."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        reason = next((ln for ln in lines if "global" in ln.lower()), lines[0] if lines else type(e).__name__)
-        raise QRecoverError(f"checkpoint {str(path)!r} holds more than tensors and plain values (pickled objects "
-                            f"that could run code: {reason[:200]}); refusing to load it. If it is not yours, delete it; "
-                            "else it comes from an older qrecover: train again with --overwrite") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise QRecoverError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {str(e)[:200]}); it is "
-                            "truncated or not a qrecover checkpoint: delete it to resume from the one before, or "
-                            "train again with --overwrite") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise QRecoverError(f"checkpoint {str(path)!r} has format {found!r}, not {CHECKPOINT_FORMAT}; it comes from "
-                            "another qrecover version: train again with --overwrite")
-    return state
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted((run_dir / CHECKPOINTS).glob("step-*.pt"))
-    return found[-1] if found else None
-
-
-def _save_checkpoint(path: Path, state: dict[str, Any], keep: int = 2) -> None:
-    """Write atomically (temp file + rename), then drop all but the newest ``keep`` checkpoints."""
-    with atomic_file(path) as tmp:
-        torch.save(state, tmp)
-    for old in sorted(path.parent.glob("step-*.pt"))[:-keep]:
-        old.unlink()
-
-
 def peak_memory_bytes() -> int:
     """Peak memory of this process: GPU allocations on CUDA, else the resident set size."""
     if torch.cuda.is_available():
@@ -214,41 +104,6 @@ def peak_memory_bytes() -> int:
 def _progress(show: bool):
     return progress(TextColumn("{task.completed:,.0f}/{task.total:,.0f} tok"), TextColumn("{task.fields[speed]:,.0f} tok/s"),
                     TextColumn("loss {task.fields[loss]:.4f}"), disable=not show)
-
-
-# Settings that only say how a step is executed (not what it computes): a resumed run may change them, the split of the
-# global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
-EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "log_every", "compile_layers", "gradient_checkpointing",
-                    "cache_dequantized", "loss_chunk",
-                    "teacher_device", "shard_base")
-
-
-def checkpoint_world(state: dict[str, Any]) -> int:
-    """The number of processes that wrote a checkpoint (recorded since world-size resume; older ones: derived
-    from their token count, ``tokens = step * batch_size * grad_accum * seq_len * world``)."""
-    if "world" in state:
-        return int(state["world"])
-    c = state["config"]
-    per_step = c["batch_size"] * c["grad_accum"] * c["seq_len"]
-    return max(1, state["tokens"] // max(1, state["step"] * per_step))
-
-
-def check_resume(saved: dict[str, Any], saved_world: int, cfg: RecoverConfig, world: int, where: Any) -> None:
-    """Refuse to resume a run whose defining settings changed. ``batch_size``, ``grad_accum`` and the number of
-    processes may differ when the global batch ``batch_size * grad_accum * world`` is the same."""
-    now = cfg.to_dict()
-    diff = {k: (saved.get(k), v) for k, v in now.items() if k not in EXECUTION_FIELDS and saved.get(k) != v}
-    if diff:
-        raise QRecoverError(f"cannot resume {where}: it was started with different settings {diff} "
-                            "(checkpoint value, new value); rerun with the original settings or --overwrite")
-    was = saved["batch_size"] * saved["grad_accum"] * saved_world
-    if was != cfg.batch_size * cfg.grad_accum * world:
-        raise QRecoverError(
-            f"cannot resume {where}: its global batch was {was} sequences per step (batch_size {saved['batch_size']} x "
-            f"grad_accum {saved['grad_accum']} x {saved_world} processes), now it would be "
-            f"{cfg.batch_size * cfg.grad_accum * world} (batch_size {cfg.batch_size} x grad_accum {cfg.grad_accum} x "
-            f"{world} processes); choose --batch-size and --grad-accum with batch_size x grad_accum x processes = {was}, "
-            "or --overwrite")
 
 
 class Micro(NamedTuple):
@@ -289,64 +144,6 @@ def _loss_weights(micro: list[Micro], accelerator: Any) -> list[float] | list[to
     # with no label anywhere N = 0: the factors are inf/NaN and so is the loss, which stops the run at its next log
     total = accelerator.reduce(torch.tensor(float(sum(counts)), dtype=torch.float32, device=accelerator.device), "sum")
     return [n * accelerator.num_processes / total for n in counts]
-
-
-def shard_base(model: nn.Module, device: torch.device, world: int) -> None:
-    """Shard the frozen packed base of ``model`` (PEFT-wrapped) across the ``world`` processes with FSDP2, in place.
-
-    The packed tensors become frozen parameters (FSDP shards parameters, not buffers); each decoder layer is one
-    FSDP group (all-gathered before it runs, freed after, again in backward), the rest of the transformers model
-    (embedding, final norm, head: the tied head reads the embedding's packed tensors) the root group, gathered for
-    each micro-batch. FSDP is applied to the transformers model inside PEFT, so the loss code that calls it directly
-    (the chunked head check, :func:`objective.output_head`) still goes through its hooks. The adapter is ignored
-    by FSDP: whole on every process (moved to ``device`` here), plain tensors, its gradients averaged by
-    :func:`_average_adapter_grads`; FSDP itself reduces no gradient (the base has none). The parameters FSDP
-    shards become DTensors.
-    """
-    import inspect
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        fully_shard = None
-    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
-        raise QRecoverError(f"--shard-base needs torch's FSDP2 with ignored_params (torch 2.7 or later); this is torch "
-                            f"{torch.__version__}: upgrade torch, or train without --shard-base (data parallel)")
-    adapter = set(_trainable(model).values())
-    packed_as_parameters(model)
-    base = objective._unwrap(model)
-    mesh = init_device_mesh(device.type, (world,))
-    for layer in decoder_layers(base):
-        fully_shard(layer, mesh=mesh, ignored_params=adapter)
-    fully_shard(base, mesh=mesh, ignored_params=adapter)
-    for t in itertools.chain(model.parameters(), model.buffers()):  # what FSDP did not move: the adapter
-        if not isinstance(t, DTensor) and t.device != device:
-            t.data = t.data.to(device)
-
-
-def _average_adapter_grads(params: list[torch.Tensor], world: int) -> None:
-    """With the base sharded, FSDP leaves the adapter's gradients alone: average them over the processes here, as
-    DDP would (so :func:`_loss_weights` holds unchanged), in one all-reduce per dtype, once per optimizer step. A
-    parameter without a gradient gets zeros on every process, so all send the same layout."""
-    import torch.distributed as dist
-
-    for dtype in dict.fromkeys(p.dtype for p in params):  # insertion order: the same on every process
-        group = [p for p in params if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-        dist.all_reduce(flat)
-        flat /= world
-        for p, g in zip(group, flat.split([p.numel() for p in group])):
-            p.grad = g.view_as(p)
-
-
-def _packed_bytes_per_process(model: nn.Module, accelerator: Any) -> list[int]:
-    """The packed base bytes each process holds (its shards when the base is sharded), gathered: the record that
-    sharding split the base (with DDP every process holds all of it)."""
-    mine = torch.tensor([local_packed_bytes(model)], dtype=torch.int64, device=accelerator.device)
-    return [int(b) for b in (accelerator.gather(mine) if accelerator.num_processes > 1 else mine).tolist()]
 
 
 def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
@@ -422,7 +219,7 @@ def optimizer_step(ctx: StepContext, micro: list[Micro]) -> torch.Tensor:
         ctx.accelerator.backward(loss * weights[i])
         step_loss = step_loss + loss.detach().float() * weights[i]
     if ctx.sharded:
-        _average_adapter_grads(ctx.params, ctx.accelerator.num_processes)
+        average_adapter_grads(ctx.params, ctx.accelerator.num_processes)
     if ctx.cfg.max_grad_norm > 0:
         ctx.accelerator.clip_grad_norm_(ctx.params, ctx.cfg.max_grad_norm)
     ctx.optimizer.step()
@@ -498,12 +295,8 @@ def _loop(ctx: StepContext, stream: Iterator[tuple[torch.Tensor, torch.Tensor]],
 
             # --- checkpoint, then the caller's hook (both only at logging steps: the losses are read) ------
             if checkpointing:
-                _save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", {
-                    "format": CHECKPOINT_FORMAT, "config": cfg.to_dict(), "world": world, "step": step, "tokens": tokens,
-                    "history": history,
-                    "adapter": {n: p.detach().cpu().clone() for n, p in _trainable(accelerator.unwrap_model(model)).items()},
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "loader": loader.state_dict(), "rng": _rng_state()})
+                save_checkpoint(run_dir / CHECKPOINTS / f"step-{step:07d}.pt", checkpoint_state(
+                    cfg, world, step, tokens, history, accelerator.unwrap_model(model), optimizer, scheduler, loader))
             if logging:
                 accelerator.wait_for_everyone()
             if callback is not None and accelerator.is_main_process:
@@ -545,37 +338,9 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
 
     rank, world = accelerator.process_index, accelerator.num_processes
     steps = total_steps(cfg, world)
-    sharded = cfg.shard_base and world > 1
-    if cfg.shard_base and world == 1:
-        warnings.warn("qrecover: --shard-base on one process changes nothing (there is nothing to shard across); "
-                      "launch several with torchrun to shard the base", stacklevel=2)
-    if sharded and callback is not None:
-        raise QRecoverError("a training callback runs on the main process alone, and with --shard-base a forward of the "
-                            "model needs every process; train without the callback, or without --shard-base")
-
-    # --- the model: base frozen (its packed weights are buffers), adapter weights trainable ---------------
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.cache = cfg.cache_dequantized
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not _trainable(model):
-        raise QRecoverError("the model has no trainable parameters; attach an adapter first")
-    if cfg.compile_layers:  # each decoder layer its own graph, compiled at its first call (the warm-up steps)
-        for net in (model, teacher) if teacher is not None else (model,):
-            compile_layers(objective._unwrap(net))
-    if sharded:  # before the optimizer: it holds the adapter parameters FSDP leaves in place (moved to the device)
-        shard_base(model, accelerator.device, world)
-    params = list(_trainable(model).values())
-    # fused AdamW (one kernel per step on CUDA and CPU): the for-each one reads each step count back with .item()
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=_fused_adamw(params))
-    # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
-    scheduler = lr_scheduler(optimizer, cfg, steps)  # warm-up + cosine, or WSD (cfg.schedule; schedule.py)
-    if sharded:  # FSDP is the model's parallelism: accelerate must not wrap it in DDP as well
-        optimizer = accelerator.prepare(optimizer)
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    packed_bytes = _packed_bytes_per_process(model, accelerator)
+    sharded = _sharding(cfg, world, callback)
+    model, optimizer, scheduler, params = _prepare_training(model, teacher, cfg, accelerator, sharded, steps)
+    packed_bytes = packed_bytes_per_process(model, accelerator)
     if teacher is not None:
         objective.place_teacher(teacher, accelerator.device, precision, cfg.teacher_device)
         teacher.eval().requires_grad_(False)
@@ -585,34 +350,12 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
     torch.manual_seed(cfg.seed + rank)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
-        state = load_checkpoint(ckpt)
-        check_resume(state["config"], checkpoint_world(state), cfg, world, run_dir)
-        unwrapped = accelerator.unwrap_model(model)
-        missing = set(_trainable(unwrapped)) - set(state["adapter"])
-        if missing:
-            raise QRecoverError(f"checkpoint {ckpt} lacks adapter weights {sorted(missing)[:3]}; it belongs to another run")
-        with torch.no_grad():
-            for n, p in _trainable(unwrapped).items():
-                p.copy_(state["adapter"][n])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-        step, tokens, history = state["step"], state["tokens"], state["history"]
-        _set_rng_state(state["rng"])
-        if rank > 0:
-            torch.manual_seed(hash((cfg.seed, rank, step)) % 2**63)
+        step, tokens, history = resume_from(ckpt, cfg, world, rank, run_dir, accelerator.unwrap_model(model),
+                                            optimizer, scheduler, loader)
 
-    # a loader with batches(batch_size, rank, world) (sharded tokens) slices the global order itself; the mix
-    # stream is read whole by every process, each keeping its sequences (its state is then the global position)
-    stream = (loader.batches(cfg.batch_size, rank, world) if hasattr(loader, "batches")
-              else _batches(iter(loader), cfg.batch_size, rank, world))
+    stream = _stream(loader, cfg.batch_size, rank, world)
     model.train()
-    # The first micro-batch readies the data (scans, decontamination, self-generated chats; cached after one
-    # run): timed apart, so tokens/s measures training alone. Taking it early does not move the data stream.
-    t_setup = time.perf_counter()
-    if step < steps:
-        stream = itertools.chain([next(stream)], stream)
-    setup_seconds = time.perf_counter() - t_setup
+    stream, setup_seconds = _ready_data(stream, step < steps)
     tokens0 = tokens
     if callback is not None and accelerator.is_main_process and step == 0:
         callback({"step": 0, "tokens": 0, "loss": float("nan"), "model": accelerator.unwrap_model(model)})
@@ -635,3 +378,64 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
             "mixed_precision": precision, "shard_base": sharded, "packed_bytes_per_process": packed_bytes,
             "model": accelerator.unwrap_model(model), "is_main_process": accelerator.is_main_process}
+
+
+def _sharding(cfg: RecoverConfig, world: int, callback: Callable | None) -> bool:
+    """Whether this run shards the base (``cfg.shard_base`` on several processes); warns that one process has
+    nothing to shard, and refuses a callback, which could not run a forward of a sharded model alone."""
+    sharded = cfg.shard_base and world > 1
+    if cfg.shard_base and world == 1:
+        warnings.warn("qrecover: --shard-base on one process changes nothing (there is nothing to shard across); "
+                      "launch several with torchrun to shard the base", stacklevel=3)  # 3: train's caller
+    if sharded and callback is not None:
+        raise QRecoverError("a training callback runs on the main process alone, and with --shard-base a forward of the "
+                            "model needs every process; train without the callback, or without --shard-base")
+    return sharded
+
+
+def _prepare_training(model: nn.Module, teacher: nn.Module | None, cfg: RecoverConfig, accelerator: Any,
+                      sharded: bool, steps: int) -> tuple[nn.Module, Any, Any, list[torch.Tensor]]:
+    """The model ready to train: base frozen (its packed weights are buffers), adapter weights trainable, layers
+    compiled and base sharded where ``cfg`` asks; with its AdamW and learning-rate schedule, both passed through
+    accelerate. Returns ``(model, optimizer, scheduler, params)`` (``model`` as accelerate wrapped it)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.cache = cfg.cache_dequantized
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable(model):
+        raise QRecoverError("the model has no trainable parameters; attach an adapter first")
+    if cfg.compile_layers:  # each decoder layer its own graph, compiled at its first call (the warm-up steps)
+        for net in (model, teacher) if teacher is not None else (model,):
+            compile_layers(objective._unwrap(net))
+    if sharded:  # before the optimizer: it holds the adapter parameters FSDP leaves in place (moved to the device)
+        shard_base(model, accelerator.device, accelerator.num_processes)
+    params = list(trainable(model).values())
+    # fused AdamW (one kernel per step on CUDA and CPU): the for-each one reads each step count back with .item()
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=_fused_adamw(params))
+    # stepped by us once per optimizer step (accelerate would step a prepared scheduler once per process)
+    scheduler = lr_scheduler(optimizer, cfg, steps)  # warm-up + cosine, or WSD (cfg.schedule; schedule.py)
+    if sharded:  # FSDP is the model's parallelism: accelerate must not wrap it in DDP as well
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, scheduler, params
+
+
+def _stream(loader: Any, batch_size: int, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This process's micro-batches. A loader with ``batches(batch_size, rank, world)`` (sharded tokens) slices the
+    global order itself; the mix stream is read whole by every process, each keeping its sequences (its state is
+    then the global position)."""
+    return (loader.batches(batch_size, rank, world) if hasattr(loader, "batches")
+            else _batches(iter(loader), batch_size, rank, world))
+
+
+def _ready_data(stream: Iterator[tuple[torch.Tensor, torch.Tensor]], training: bool
+                ) -> tuple[Iterator[tuple[torch.Tensor, torch.Tensor]], float]:
+    """``(stream, seconds)``: the first micro-batch readies the data (scans, decontamination, self-generated chats;
+    cached after one run), so it is taken here (when ``training``: steps remain) and timed apart, and tokens/s
+    measures training alone. Taking it early does not move the data stream."""
+    t_setup = time.perf_counter()
+    if training:
+        stream = itertools.chain([next(stream)], stream)
+    return stream, time.perf_counter() - t_setup

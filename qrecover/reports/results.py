@@ -148,79 +148,98 @@ class Results:
         if version != SCHEMA_VERSION:
             v.fail("schema_version", f"is {version}, this qrecover reads version {SCHEMA_VERSION}; upgrade qrecover or re-run the evaluation")
 
-        r = d["run"]
-        v.obj(r, "run")
-        v.keys(r, "run", required=("model", "kind", "measured_bpw", "adapter", "manifest_sha256", "versions"))
-        model = v.str_(r["model"], "run.model")
-        kind = v.str_(r["kind"], "run.kind")
-        if kind not in KINDS:
-            v.fail("run.kind", f"is {kind!r}, must be one of {', '.join(KINDS)}")
-        bpw = None
-        if r["measured_bpw"] is not None:
-            b = r["measured_bpw"]
-            v.obj(b, "run.measured_bpw")
-            v.keys(b, "run.measured_bpw", required=("model", "linear"))
-            bpw = MeasuredBpw(model=v.pos(b["model"], "run.measured_bpw.model"), linear=v.pos(b["linear"], "run.measured_bpw.linear"))
-        elif kind != "original":
-            v.fail("run.measured_bpw", f"is null, but a {kind} model must record its measured bits per weight")
-        adapter = None
-        if r["adapter"] is not None:
-            a = r["adapter"]
-            v.obj(a, "run.adapter")
-            v.keys(a, "run.adapter", required=("path", "rank", "bpw_cost"))
-            rank = a["rank"]
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-                v.fail("run.adapter.rank", f"must be a positive integer, got {rank!r}")
-            cost = v.num(a["bpw_cost"], "run.adapter.bpw_cost")
-            if cost < 0:
-                v.fail("run.adapter.bpw_cost", f"must be >= 0, got {cost!r}")
-            adapter = Adapter(path=v.str_(a["path"], "run.adapter.path"), rank=rank, bpw_cost=cost)
-        if kind == "recovered" and adapter is None:
-            v.fail("run.adapter", "is null, but a recovered model must name its adapter (path, rank, bpw_cost)")
-        if kind != "recovered" and adapter is not None:
-            v.fail("run.adapter", f"is set, but kind is {kind!r}; a model evaluated with an adapter is kind 'recovered'")
-        sha = r["manifest_sha256"]
-        if sha is not None:
-            v.str_(sha, "run.manifest_sha256")
-        versions = r["versions"]
-        v.obj(versions, "run.versions")
-        for k, val in versions.items():
-            v.str_(val, f"run.versions.{k}")
-
-        skipped = d.get("skipped", {})
-        v.obj(skipped, "skipped")
-        for name, why in skipped.items():
-            if not v.str_(why, f"skipped.{name}").strip():
-                v.fail(f"skipped.{name}", "is empty; say why the metric was not run, e.g. 'no judge configured'")
-        ms = d["metrics"]
-        v.obj(ms, "metrics")
-        if not ms and not skipped:
-            v.fail("metrics", "is empty; a results file must hold at least one metric")
-        both = sorted(set(ms) & set(skipped))
-        if both:
-            v.fail(f"skipped.{both[0]}", "is also in metrics; a metric is either scored or skipped")
-        metrics = {}
-        for name, m in ms.items():
-            key = f"metrics.{name}"
-            v.obj(m, key)
-            v.keys(m, key, required=("value", "stderr", "higher_is_better", "settings"))
-            value = v.num(m["value"], f"{key}.value")
-            stderr = None if m["stderr"] is None else v.num(m["stderr"], f"{key}.stderr")
-            if stderr is not None and stderr < 0:
-                v.fail(f"{key}.stderr", f"must be >= 0 or null, got {stderr!r}")
-            if not isinstance(m["higher_is_better"], bool):
-                v.fail(f"{key}.higher_is_better", f"must be true or false, got {m['higher_is_better']!r}")
-            v.obj(m["settings"], f"{key}.settings")
-            # qrecover eval's agreement metrics were written without their scale before it was recorded
-            scale = m.get("scale", IMPLIED_SCALES.get(name, "ratio") if not m["higher_is_better"] else "ratio")
-            if scale not in SCALES:
-                v.fail(f"{key}.scale", f"is {scale!r}, must be one of {', '.join(SCALES)}")
-            if scale != "ratio" and m["higher_is_better"]:
-                v.fail(f"{key}.scale", f"{scale!r} is for lower-is-better metrics (divergences, flip rates)")
-            metrics[name] = Metric(value=value, stderr=stderr, higher_is_better=m["higher_is_better"],
-                                   settings=dict(m["settings"]), scale=scale)
-        run = RunInfo(model=model, kind=kind, measured_bpw=bpw, adapter=adapter, manifest_sha256=sha, versions=dict(versions))
+        run = _run_info(v, d["run"])
+        skipped = _skipped(v, d.get("skipped", {}))
+        metrics = _metrics(v, d["metrics"], skipped)
         return cls(run=run, metrics=metrics, skipped=dict(skipped), schema_version=version, source=source)
+
+
+def _run_info(v: _Validator, r: Any) -> RunInfo:
+    """The ``run`` section: which model was evaluated, its kind, and the bpw and adapter its kind needs."""
+    v.obj(r, "run")
+    v.keys(r, "run", required=("model", "kind", "measured_bpw", "adapter", "manifest_sha256", "versions"))
+    model = v.str_(r["model"], "run.model")
+    kind = v.str_(r["kind"], "run.kind")
+    if kind not in KINDS:
+        v.fail("run.kind", f"is {kind!r}, must be one of {', '.join(KINDS)}")
+    bpw = None
+    if r["measured_bpw"] is not None:
+        b = r["measured_bpw"]
+        v.obj(b, "run.measured_bpw")
+        v.keys(b, "run.measured_bpw", required=("model", "linear"))
+        bpw = MeasuredBpw(model=v.pos(b["model"], "run.measured_bpw.model"), linear=v.pos(b["linear"], "run.measured_bpw.linear"))
+    elif kind != "original":
+        v.fail("run.measured_bpw", f"is null, but a {kind} model must record its measured bits per weight")
+    adapter = _adapter(v, r["adapter"])
+    if kind == "recovered" and adapter is None:
+        v.fail("run.adapter", "is null, but a recovered model must name its adapter (path, rank, bpw_cost)")
+    if kind != "recovered" and adapter is not None:
+        v.fail("run.adapter", f"is set, but kind is {kind!r}; a model evaluated with an adapter is kind 'recovered'")
+    sha = r["manifest_sha256"]
+    if sha is not None:
+        v.str_(sha, "run.manifest_sha256")
+    versions = r["versions"]
+    v.obj(versions, "run.versions")
+    for k, val in versions.items():
+        v.str_(val, f"run.versions.{k}")
+    return RunInfo(model=model, kind=kind, measured_bpw=bpw, adapter=adapter, manifest_sha256=sha, versions=dict(versions))
+
+
+def _adapter(v: _Validator, a: Any) -> Adapter | None:
+    """``run.adapter``: null, or the adapter's path, a positive rank and a non-negative bpw cost."""
+    if a is None:
+        return None
+    v.obj(a, "run.adapter")
+    v.keys(a, "run.adapter", required=("path", "rank", "bpw_cost"))
+    rank = a["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        v.fail("run.adapter.rank", f"must be a positive integer, got {rank!r}")
+    cost = v.num(a["bpw_cost"], "run.adapter.bpw_cost")
+    if cost < 0:
+        v.fail("run.adapter.bpw_cost", f"must be >= 0, got {cost!r}")
+    return Adapter(path=v.str_(a["path"], "run.adapter.path"), rank=rank, bpw_cost=cost)
+
+
+def _skipped(v: _Validator, skipped: Any) -> Any:
+    """The optional ``skipped`` section: metric name -> a non-empty reason."""
+    v.obj(skipped, "skipped")
+    for name, why in skipped.items():
+        if not v.str_(why, f"skipped.{name}").strip():
+            v.fail(f"skipped.{name}", "is empty; say why the metric was not run, e.g. 'no judge configured'")
+    return skipped
+
+
+def _metrics(v: _Validator, ms: Any, skipped: Any) -> dict[str, Metric]:
+    """The ``metrics`` section: at least one metric or skipped one, none both, each a :class:`Metric`."""
+    v.obj(ms, "metrics")
+    if not ms and not skipped:
+        v.fail("metrics", "is empty; a results file must hold at least one metric")
+    both = sorted(set(ms) & set(skipped))
+    if both:
+        v.fail(f"skipped.{both[0]}", "is also in metrics; a metric is either scored or skipped")
+    return {name: _metric(v, name, m) for name, m in ms.items()}
+
+
+def _metric(v: _Validator, name: str, m: Any) -> Metric:
+    """One metric: value, stderr (>= 0 or null), direction, settings and the scale the report normalises it by."""
+    key = f"metrics.{name}"
+    v.obj(m, key)
+    v.keys(m, key, required=("value", "stderr", "higher_is_better", "settings"))
+    value = v.num(m["value"], f"{key}.value")
+    stderr = None if m["stderr"] is None else v.num(m["stderr"], f"{key}.stderr")
+    if stderr is not None and stderr < 0:
+        v.fail(f"{key}.stderr", f"must be >= 0 or null, got {stderr!r}")
+    if not isinstance(m["higher_is_better"], bool):
+        v.fail(f"{key}.higher_is_better", f"must be true or false, got {m['higher_is_better']!r}")
+    v.obj(m["settings"], f"{key}.settings")
+    # qrecover eval's agreement metrics were written without their scale before it was recorded
+    scale = m.get("scale", IMPLIED_SCALES.get(name, "ratio") if not m["higher_is_better"] else "ratio")
+    if scale not in SCALES:
+        v.fail(f"{key}.scale", f"is {scale!r}, must be one of {', '.join(SCALES)}")
+    if scale != "ratio" and m["higher_is_better"]:
+        v.fail(f"{key}.scale", f"{scale!r} is for lower-is-better metrics (divergences, flip rates)")
+    return Metric(value=value, stderr=stderr, higher_is_better=m["higher_is_better"],
+                  settings=dict(m["settings"]), scale=scale)
 
 
 def load_results(path: str | Path) -> Results:

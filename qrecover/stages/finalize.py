@@ -151,15 +151,7 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     t0 = time.time()
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    emb = model.get_input_embeddings()
-    emb_name = module_name(model, emb)
-    saved = emb.weight.data
-    if emb_name in fixed:
-        emb.weight.data = fixed[emb_name].dequantize().to(saved.dtype)
-    try:
-        hidden, kwargs = capture_inputs(model, windows[world.span(len(windows))], device)
-    finally:
-        emb.weight.data = saved
+    hidden, kwargs = _first_inputs(model, windows, fixed, device, world)
     result: dict[str, QuantizedWeight] = {}
     damage: dict[str, float] = {}
     shortcuts = replayed = 0
@@ -167,58 +159,98 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             with resident(model, layer, device):
-                layer_prefix = f"{prefix}.{i}."
-                lins = linear_layers(layer, prefix=layer_prefix)
-                originals = {n: m.weight.data.clone() for n, m in lins.items()}
-                replays = ExitStack()  # blocks replayed from their kept inputs (_replay) until the layer is done
-                try:
-                    # rank 0 holds window 0: every process takes its order (routed experts may differ by window)
-                    order = world.broadcast(linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)])
-                    kept, final, outs, deltas = None, None, None, {}  # final: the last group's kept inputs
-                    for k, group in enumerate(order):
-                        want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
-                        # the last of several groups: its pass runs to the layer's end and keeps the group's inputs,
-                        # so that the layer's outputs need no second pass where the correction is exact (below); a
-                        # group of one linear keeps its inputs so that later passes can replay its block (_replay)
-                        last = k == len(order) - 1 > 0
-                        keep = want and (last or len(group) == 1) and world.total(_kept_bytes(hidden, group, lins)) <= KEEP_BYTES
-                        kept = {} if keep else None
-                        stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=last and keep,
-                                                  hessian_dtype=torch.float32, inputs=kept, group=world) if want else ({n: {} for n in group}, None)
-                        sts = {n: {**stats[n], **({"out_grad_sq": out_grad_sq[n].to(device)} if out_grad_sq is not None else {})}
-                               for n in group}
-                        packed = quantize_shared({n: (lins[n].weight, [chosen[n]], sts[n], None) for n in group}, world)
-                        for n in group:
-                            st, w, (qw, _) = sts[n], lins[n].weight, packed[n][0]
-                            deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
-                            if "hessian" in st and out_grad_sq is not None:
-                                damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
-                            result[n] = qw
-                            if last and kept is not None:
-                                deltas[n] = deq - w.data
-                            w.data.copy_(deq)  # the next groups and layers see the quantized layer
-                        del stats
-                        if last:
-                            final = kept
-                        elif kept is not None and len(group) == 1:
-                            n = group[0]
-                            block = _block_replay(layer, layer_prefix, n, lins[n], kept[n], hidden, kwargs)
-                            if block is not None:
-                                replays.enter_context(block)
-                                replayed += 1
-                    corrected = _corrected_outputs(layer, hidden, kwargs, outs, final, deltas, world) if final is not None else None
-                    shortcuts += corrected is not None
-                    hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
-                    del kept, final, outs, deltas
-                finally:
-                    replays.close()
-                    for n, m in lins.items():
-                        m.weight.data.copy_(originals[n])
+                hidden, corrected, blocks = _finalize_layer(layer, f"{prefix}.{i}.", hidden, kwargs, chosen, out_grad_sq,
+                                                            device, groups, world, result, damage)
+                shortcuts += corrected
+                replayed += blocks
             bar.advance(task)
     mode = "true-sequential (groups sharing an input, in call order)" if groups == "input" else "layer (one pass per layer)"
     return result, {"mode": mode, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
                     "blocks_replayed": replayed,
                     "seconds": round(time.time() - t0, 1)}
+
+
+def _first_inputs(model: nn.Module, windows: torch.Tensor, fixed: dict[str, QuantizedWeight], device,
+                  world: World) -> tuple[list[torch.Tensor], list[dict]]:
+    """The first decoder layer's inputs on this process's share of ``windows``, from the embedding as chosen
+    (where ``fixed`` holds it); the model's own embedding weight is put back afterwards."""
+    emb = model.get_input_embeddings()
+    emb_name = module_name(model, emb)
+    saved = emb.weight.data
+    if emb_name in fixed:
+        emb.weight.data = fixed[emb_name].dequantize().to(saved.dtype)
+    try:
+        return capture_inputs(model, windows[world.span(len(windows))], device)
+    finally:
+        emb.weight.data = saved
+
+
+def _finalize_layer(layer: nn.Module, layer_prefix: str, hidden: list[torch.Tensor], kwargs: list[dict],
+                    chosen: dict[str, Encoding], out_grad_sq: dict[str, torch.Tensor] | None, device, groups: str,
+                    world: World, result: dict[str, QuantizedWeight], damage: dict[str, float]
+                    ) -> tuple[list[torch.Tensor], bool, int]:
+    """Re-quantize one decoder layer's linears, group by group, on its quantized inputs ``hidden``; the packed
+    weights and their damage go into ``result`` and ``damage``. Returns the layer's outputs with its linears
+    quantized (the next layer's inputs), whether they came from the correction (:func:`_corrected_outputs`)
+    rather than a forward, and how many blocks were replayed. The layer's own weights are restored at the end."""
+    lins = linear_layers(layer, prefix=layer_prefix)
+    originals = {n: m.weight.data.clone() for n, m in lins.items()}
+    replays = ExitStack()  # blocks replayed from their kept inputs (_replay) until the layer is done
+    replayed = 0
+    try:
+        # rank 0 holds window 0: every process takes its order (routed experts may differ by window)
+        order = world.broadcast(linear_groups(layer, hidden[0], kwargs[0], lins) if groups == "input" else [list(lins)])
+        kept, final, outs, deltas = None, None, None, {}  # final: the last group's kept inputs
+        for k, group in enumerate(order):
+            want = set().union(*(chosen[n].quantizer.needs for n in group)) & INPUT_STATS
+            # the last of several groups: its pass runs to the layer's end and keeps the group's inputs,
+            # so that the layer's outputs need no second pass where the correction is exact (below); a
+            # group of one linear keeps its inputs so that later passes can replay its block (_replay)
+            last = k == len(order) - 1 > 0
+            keep = want and (last or len(group) == 1) and world.total(_kept_bytes(hidden, group, lins)) <= KEEP_BYTES
+            kept = {} if keep else None
+            stats, outs = layer_stats(layer, hidden, kwargs, {n: lins[n] for n in group}, want, outputs=last and keep,
+                                      hessian_dtype=torch.float32, inputs=kept, group=world) if want else ({n: {} for n in group}, None)
+            sts = {n: {**stats[n], **({"out_grad_sq": out_grad_sq[n].to(device)} if out_grad_sq is not None else {})}
+                   for n in group}
+            _quantize_group(group, lins, chosen, sts, out_grad_sq, world, result, damage,
+                            deltas if last and kept is not None else None)
+            del stats
+            if last:
+                final = kept
+            elif kept is not None and len(group) == 1:
+                n = group[0]
+                block = _block_replay(layer, layer_prefix, n, lins[n], kept[n], hidden, kwargs)
+                if block is not None:
+                    replays.enter_context(block)
+                    replayed += 1
+        corrected = _corrected_outputs(layer, hidden, kwargs, outs, final, deltas, world) if final is not None else None
+        hidden = corrected if corrected is not None else forward_layer(layer, hidden, kwargs)
+        del kept, final, outs, deltas
+    finally:
+        replays.close()
+        for n, m in lins.items():
+            m.weight.data.copy_(originals[n])
+    return hidden, corrected is not None, replayed
+
+
+def _quantize_group(group: list[str], lins: dict[str, nn.Module], chosen: dict[str, Encoding], sts: dict[str, dict],
+                    out_grad_sq: dict[str, torch.Tensor] | None, world: World, result: dict[str, QuantizedWeight],
+                    damage: dict[str, float], deltas: dict[str, torch.Tensor] | None) -> None:
+    """Quantize ``group``'s linears with their chosen encodings (shared out over the processes) and put the
+    dequantized weights in place, so that the next groups and layers see them: each packed weight into ``result``,
+    its damage into ``damage`` (where there are a Hessian and gradient moments), its weight change into ``deltas``
+    (when given: the correction of the layer's outputs needs it)."""
+    packed = quantize_shared({n: (lins[n].weight, [chosen[n]], sts[n], None) for n in group}, world)
+    for n in group:
+        st, w, (qw, _) = sts[n], lins[n].weight, packed[n][0]
+        deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
+        if "hessian" in st and out_grad_sq is not None:
+            damage[n] = max(linear_damage(w.detach().float() - deq.float(), st["hessian"], st["out_grad_sq"]), 0.0)
+        result[n] = qw
+        if deltas is not None:
+            deltas[n] = deq - w.data
+        w.data.copy_(deq)  # the next groups and layers see the quantized layer
 
 
 def finalize_units(p: Prepared, enc_of: dict[str, Encoding], qws: dict[str, QuantizedWeight | None], groups: str,
