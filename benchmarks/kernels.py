@@ -173,6 +173,12 @@ def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None, 
                     y = kernels.fused_linear(layer, x)
                     ref = reference.linear(layer, x.float())
                 row.update(path=kernels.select(layer, "cuda", batch).name, rel_err_vs_reference=rel_err(y, ref))
+                from qrecover.kernels import qmatmul  # imported by fused_linear above (after TRITON_INTERPRET is set)
+
+                fmt_key, bucket = kernels.layer_format(layer), qmatmul._bucket(batch)
+                tuned = [c for k, c in qmatmul._TUNED.items() if k[0] == fmt_key and k[1] == bucket]
+                if tuned:  # the launch configuration the tuner kept for this case
+                    row["config"] = str(tuned[-1])
                 if timed:
                     with torch.no_grad():
                         row.update(_cold_row(layer, x, w16, l2))

@@ -184,10 +184,10 @@ class StepCounts:
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
                compile_layers: bool = False, checkpointing: bool = False, profile: bool = False,
-               precision: str = "auto") -> dict:
+               precision: str = "auto", base_dtype: str = "auto") -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
-                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, log_every=log_every,
+                        mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, base_dtype=base_dtype, log_every=log_every,
                         compile_layers=compile_layers, gradient_checkpointing=checkpointing)
     t0 = time.perf_counter()
     try:
@@ -269,6 +269,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                     help="the trainer's precision (auto: bf16 autocast on a GPU; --tiny --precision bf16 counts a GPU "
                     "step's casts on the CPU)")
+    ap.add_argument("--base-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="RecoverConfig.base_dtype (auto: bf16 on CUDA with bf16 precision; --tiny --precision bf16 "
+                    "--base-dtype bf16 counts that step's copies on the CPU)")
     ap.add_argument("--profile", action="store_true", help="also print a torch.profiler table of one steady-state step "
                     "(its overhead enters that run's timing: compare speeds from runs without it)")
     ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
@@ -306,7 +309,7 @@ def main() -> None:
     rows = []
     for b in batches:
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing, args.profile, args.precision)
+                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

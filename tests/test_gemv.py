@@ -79,7 +79,8 @@ def test_repacked_tables_follow_the_layer(interp):
 @pytest.mark.parametrize("dtype,mode", [(torch.float16, gemv.X_FP16_PAIRS), (torch.bfloat16, gemv.X_BF16_PAIRS)])
 def test_activation_pairs_split_exactly(interp, dtype, mode):
     """16-bit activations are read two per 32-bit load and split in registers: one-hot inputs at every position
-    (even and odd, so both halves) read back each row's decoded weight (a swapped half would read its neighbour's); an odd row stride reads value by value."""
+    (even and odd, so both halves) read back each row's decoded weight (a swapped half would read its
+    neighbour's); an odd row stride reads value by value."""
     layer = make_layer("blockwise", 4, 16, 64, bias=False, block_size=64)
     w = ref64(layer, torch.eye(64, dtype=torch.float64, device=DEV)).T  # (16, 64): the decoded weight
     for c0 in range(0, 64, 2):

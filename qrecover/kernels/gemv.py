@@ -243,6 +243,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
         xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, k * fmt.bits // 32, k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
-        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not _interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not _interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -11,6 +11,7 @@ from ..fields import DictConfig, doc_field
 
 OBJECTIVES = ("ce", "kd", "mix")
 PRECISIONS = ("auto", "bf16", "fp32")
+BASE_DTYPES = ("auto", "bf16", "fp32")
 INITS = ("svd", "zero")
 SCHEDULES = ("cosine", "wsd")
 ADAPTER_BITS = (16, 8)
@@ -55,6 +56,11 @@ class RecoverConfig(DictConfig):
     gradient_checkpointing: bool = doc_field(False, "recompute activations in backward (less memory, ~30% slower)")
     precision: str = doc_field("auto", "'bf16' autocast (fp32 adapter weights and loss), 'fp32', or 'auto' = bf16 where the "
                                "device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32")
+    base_dtype: str = doc_field("auto", "dtype of the frozen base's unpacked floats while training (norm weights, an unquantized "
+                                "embedding or head, biases), and so of the residual stream: 'bf16', 'fp32', or 'auto' = bf16 "
+                                "on CUDA with bf16 precision (no fp32<->bf16 cast around every projection and adapter: copies "
+                                "were 18% of an H100 step's GPU time), else fp32 (the CPU's numerics unchanged). Restored "
+                                "after training; the packed weights are untouched")
     compile_layers: bool = doc_field(False, "torch.compile each decoder layer of the student and the teacher (one graph per layer "
                                      "kind, compiled in the first steps: the warm-up); for GPUs, off by default (on a CPU the "
                                      "compilation costs more than it saves on short runs)")
@@ -96,6 +102,11 @@ class RecoverConfig(DictConfig):
             raise QRecoverError(f"--init {self.init!r} must be one of {', '.join(INITS)}")
         if self.precision not in PRECISIONS:
             raise QRecoverError(f"--precision {self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise QRecoverError(f"--base-dtype {self.base_dtype!r} must be one of {', '.join(BASE_DTYPES)}")
+        if self.base_dtype == "bf16" and self.shard_base:
+            raise QRecoverError("--base-dtype bf16 cannot be combined with --shard-base (FSDP shards the base as stored); "
+                                "leave --base-dtype at auto, which keeps a sharded base as it is")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise QRecoverError(f"--kd-weight {self.kd_weight} must be in [0, 1]")
         for name in ("seq_len", "batch_size", "grad_accum"):

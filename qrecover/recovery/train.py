@@ -65,6 +65,7 @@ from .parallel import (
     requested_distributed,
     shard_base,
 )
+from .precision import base_dtype, frozen_base_in, mixed_precision, native_bf16  # noqa: F401  (native_bf16 re-exported)
 from .schedule import lr_scheduler
 
 
@@ -75,23 +76,6 @@ class NonFiniteLoss(QRecoverError):
 def total_steps(cfg: RecoverConfig, world: int = 1) -> int:
     """Optimizer steps that cover ``cfg.tokens`` (rounded up to whole steps)."""
     return max(1, math.ceil(cfg.tokens / (cfg.tokens_per_step * world)))
-
-
-def native_bf16() -> bool:
-    """Whether this process's device computes bf16 matmuls natively: a CUDA GPU with bf16, or a CPU with
-    AVX512-BF16 or AMX (oneDNN's check). There bf16 autocast is about 2x faster than fp32 (measured on this
-    repo's 2-core AMD EPYC: a 4 x 512 forward of the default model in 2.4 s instead of 5.4 s)."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(torch.backends.mkldnn.is_available() and check is not None and check())
-
-
-def mixed_precision(cfg: RecoverConfig) -> str:
-    """What ``cfg.precision`` means on this device: "bf16" (autocast) or "no" (fp32)."""
-    if cfg.precision == "auto":
-        return "bf16" if native_bf16() else "no"
-    return "bf16" if cfg.precision == "bf16" else "no"
 
 
 def peak_memory_bytes() -> int:
@@ -366,6 +350,10 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         # SDPA with is_causal and no mask built (the mask builder reads the device at every forward; attention.py);
         # not with a callback, which reads every step anyway and may evaluate padded batches that need masks
         attention = scope.enter_context(causal_sdpa(objective._unwrap(model), cfg.seq_len, callback is None))
+        # the frozen base's norms (and an unquantized embedding/head) in bf16 with bf16 autocast on CUDA: no casts
+        # around every projection and adapter (precision.py); put back as loaded when training ends
+        dtype = base_dtype(cfg, precision, accelerator.device, sharded, callback is not None)
+        scope.enter_context(frozen_base_in(objective._unwrap(model), dtype))
         if teacher is not None and callback is None:
             scope.enter_context(causal_sdpa(objective._unwrap(teacher), cfg.seq_len))
         step, tokens, train_seconds, warmup = _loop(ctx, stream, loader, run_dir, history, step, tokens, steps,
