@@ -164,3 +164,25 @@ def test_torch_int4_is_a_candidate_for_blockwise_4bit(on_gpu, monkeypatch):
         timer.times[1] = {"fused": 1.0, "dense": 3.0, "int4": 2.0}
         other(x)
         assert other._dispatch_int4 is None  # made only to be timed, then dropped
+
+
+def test_training_and_dense_cache_answer_before_select(on_gpu, monkeypatch):
+    """A training module or a dense cache takes the reference path without calling select (its logging, cache and
+    decision table made torch.compile recompile per grad mode and autocast state on an H100); the same numbers."""
+    def refuse(*a, **k):
+        raise AssertionError("select called")
+
+    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(3, 64)
+    layer.train()
+    monkeypatch.setattr(kernels, "select", refuse)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            assert rel_err(layer(x), ref64(layer, x)) < 1e-6
+    layer.eval()
+    layer.cache = True
+    with torch.no_grad():
+        assert rel_err(layer(x), ref64(layer, x)) < 1e-6 and layer._dense is not None
+    assert not on_gpu
+    monkeypatch.setenv("QRECOVER_KERNELS", "1")  # forced: select decides (fused), as before
+    with pytest.raises(AssertionError, match="select called"), torch.no_grad():
+        layer(x)

@@ -162,6 +162,12 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
     batch = x.numel() // x.shape[-1] if x.numel() else 0
     if batch == 0:
         return reference.linear(layer, x)
+    if layer.training or layer.cache or layer._dense is not None:
+        # what select decides for a training module or a dense cache unless QRECOVER_KERNELS=1, answered before it
+        # so that torch.compile traces one F.linear here (select's logging, cache and dispatch table made dynamo
+        # recompile per grad mode and autocast state: --compile-layers on an H100 hit its recompile limit)
+        if mode() != "1":
+            return reference.linear(layer, x)
     choice = select(layer, x.device, batch, x.dtype, training=is_training(layer, x),
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     if choice.pending:
