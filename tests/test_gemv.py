@@ -91,3 +91,21 @@ def test_activation_pairs_split_exactly(interp, dtype, mode):
         assert torch.allclose(y, w[:, c0:c0 + 2].T.to(dtype).double(), rtol=0 if mode == 1 else 2**-7, atol=0), c0
     odd = torch.zeros(2, 65, dtype=dtype, device=DEV)[:, :64]
     assert gemv.x_pairs(odd) == gemv.X_PLAIN
+
+
+def test_the_tuner_may_pick_another_table_layout(interp):
+    """A layer whose default is pair tables also keeps fp32 singles (the tuner times both); a config naming
+    either layout decodes the same weights; the candidates list both among the first five."""
+    layer = make_layer("palettize", 4, 64, 4096)
+    fmt = layer_format(layer)
+    assert gemv.table_modes(fmt) == (gemv.LUT_PAIRS, gemv.LUT_FP32)
+    tensors = kernels.kernel_tensors(layer, fmt)
+    assert tensors["lut_kernel"] is tensors[f"lut_kernel_{gemv.LUT_PAIRS}"]
+    assert tensors[f"lut_kernel_{gemv.LUT_FP32}"].shape == (4, 16)
+    x = torch.randn(1, 4096, device=DEV)
+    for mode in (gemv.LUT_PAIRS, gemv.LUT_FP32):
+        y = kernels.fused_linear(layer, x, config=Config(1, 32, 128, 2, False, lut=mode))
+        assert rel_err(y, ref64(layer, x)) < 1e-5, mode
+    from qrecover.kernels.qmatmul import candidate_configs
+
+    assert {c.lut for c in candidate_configs(fmt, 1)[:5]} == {-1, gemv.LUT_FP32}

@@ -189,17 +189,20 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_tensors(layer, fmt: Format) -> dict[str, torch.Tensor]:
-    """The layer's packed buffers, plus ``lut_kernel`` for palettize: the decode kernel's tables, repacked once
-    (:func:`~qrecover.kernels.gemv.kernel_tables`) and kept on the layer until its tables change (moved or written)."""
+    """The layer's packed buffers, plus for palettize the decode kernel's tables, repacked once
+    (:func:`~qrecover.kernels.gemv.kernel_tables`) and kept on the layer until its tables change (moved or written):
+    ``lut_kernel`` in the default layout, ``lut_kernel_<mode>`` for each layout the tuner may pick."""
     tensors = {n: getattr(layer, n) for n in layer._tensor_names}
     if fmt.scheme == PALETTIZE:
         lut = tensors["lut"]
         key = (lut.data_ptr(), str(lut.device), lut._version)
         cached = getattr(layer, "_kernel_repack", None)
         if cached is None or cached[0] != key:
-            from .gemv import kernel_tables  # triton: an optional dependency, imported at first use
-            cached = layer._kernel_repack = (key, kernel_tables(fmt, lut))
-        tensors["lut_kernel"] = cached[1]
+            from .gemv import kernel_tables, table_modes  # triton: an optional dependency, imported at first use
+            cached = layer._kernel_repack = (key, {m: kernel_tables(fmt, lut, m) for m in table_modes(fmt)})
+        tables = cached[1]
+        tensors["lut_kernel"] = next(iter(tables.values()))
+        tensors.update({f"lut_kernel_{m}": t for m, t in tables.items()})
     return tensors
 
 

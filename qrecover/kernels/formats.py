@@ -28,7 +28,8 @@ class Format:
 class Config:
     """One launch configuration. ``use_dot``: tensor-core product (else broadcast multiply-and-sum). ``asm``: the
     decode kernel reads tables and 3-bit code words through inline PTX (:func:`qrecover.kernels.gemv._lut_load`;
-    compiled kernels only, ignored under triton's interpreter)."""
+    compiled kernels only, ignored under triton's interpreter). ``lut``: the decode kernel's palettize table layout
+    (:mod:`qrecover.kernels.gemv`'s ``LUT_*``; -1 = its default for the shape)."""
 
     block_m: int
     block_n: int
@@ -38,3 +39,4 @@ class Config:
     num_warps: int = 4
     num_stages: int = 2
     asm: bool = False
+    lut: int = -1

@@ -201,10 +201,19 @@ def lut_mode(fmt: Format) -> int:
     return LUT_FP16
 
 
-def kernel_tables(fmt: Format, lut: torch.Tensor) -> torch.Tensor:
-    """The one-time repack of palettize tables ``lut (T, 2**bits)`` fp16 for :func:`lut_mode`: fp32 ``(T, 2**bits)``
-    or fp32 pairs ``(T, 2**(2 bits), 2)`` with ``pairs[t, a | b << bits] = (lut[t, a], lut[t, b])``. Exact (fp16 -> fp32)."""
+def table_modes(fmt: Format) -> tuple[int, ...]:
+    """The table layouts the tuner times for a palettize layer, :func:`lut_mode`'s first: pair tables halve the
+    look-ups, but a 4-bit pair table is 2 KB per 16 rows against 64 B of fp32 singles, so a warp's look-ups touch
+    more L1 lines (on an H100, palettize-4 gained least from pairs: docs/kernels.md)."""
     mode = lut_mode(fmt)
+    return (mode, LUT_FP32) if mode == LUT_PAIRS else (mode,)
+
+
+def kernel_tables(fmt: Format, lut: torch.Tensor, mode: int | None = None) -> torch.Tensor:
+    """The one-time repack of palettize tables ``lut (T, 2**bits)`` fp16 for ``mode`` (default :func:`lut_mode`):
+    fp32 ``(T, 2**bits)`` or fp32 pairs ``(T, 2**(2 bits), 2)`` with ``pairs[t, a | b << bits] = (lut[t, a],
+    lut[t, b])``. Exact (fp16 -> fp32)."""
+    mode = lut_mode(fmt) if mode is None else mode
     if mode == LUT_FP16:
         return lut
     table = lut.float()
@@ -231,10 +240,10 @@ def x_pairs(x: torch.Tensor) -> int:
 def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
            bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg) -> None:
     """Run :func:`_gemv_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
-    ``lut``: :func:`kernel_tables` for palettize."""
+    ``lut``: :func:`kernel_tables` for palettize, in ``cfg.lut``'s layout (-1: :func:`lut_mode`'s)."""
     m, k = x.shape
     n = fmt.out_f
-    mode = lut_mode(fmt) if fmt.scheme == 0 else LUT_FP16
+    mode = (lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else LUT_FP16
     if mode == LUT_PAIRS:
         lut = lut.view(torch.int64)  # (T, 2**(2 bits)): both fp32 values of a pair in one 64-bit load
     xp = x_pairs(x)

@@ -42,6 +42,8 @@ tensor-core ``tl.dot``; accumulation is fp32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -236,6 +238,10 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         with_asm = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes]
         first = [c for i in range(0, len(shapes), 2) for c in with_asm[i:i + 2] + plain[i // 2:i // 2 + 1]]
         first += [c for c in plain if c not in first]
+    modes = gemv.table_modes(fmt) if fmt.scheme == 0 else ()
+    if len(modes) > 1:  # the other table layouts of the two first tiles, fourth and fifth
+        other = [dataclasses.replace(c, lut=m) for m in modes[1:] for c in first[:2]]
+        first = first[:3] + other + [c for c in first[3:]]
     rest = [Config(bm, bn, bk, s, False, asm=asm) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
     return out or [Config(bm, 32, ks[-1], 1, False)]
@@ -276,8 +282,8 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     if not cfg.use_dot:  # batch <= 4: the decode kernel (gemv.py)
         if fmt.scheme == 0:
-            lut = tensors.get("lut_kernel")
-            lut = gemv.kernel_tables(fmt, tensors["lut"]) if lut is None else lut
+            lut = tensors.get("lut_kernel" if cfg.lut < 0 else f"lut_kernel_{cfg.lut}")
+            lut = gemv.kernel_tables(fmt, tensors["lut"], None if cfg.lut < 0 else cfg.lut) if lut is None else lut
         gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
     else:
         _qmm_kernel[grid](
