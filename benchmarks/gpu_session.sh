@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
-#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress
-#   (default: all); time limits T_TESTS, T_KERNELS, T_TRAIN, T_TRAIN2, T_COMPRESS (seconds); TRAIN_ARGS for train_speed.py
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress,decode
+#   (default: all but decode, which compresses a 1B model first: greedy tokens/s, static cache + CUDA graphs); time limits T_TESTS, T_KERNELS, T_TRAIN, T_TRAIN2, T_COMPRESS (seconds); TRAIN_ARGS for train_speed.py
 # Measured on an H100 (2026-11-26): tests ~60 s, kernels --quick ~25-45 s, train (build + compress + 12 steps)
 # ~85-100 s, train with --compile-layers ~85 s (47 s of it compiling); compress did not finish in 105 s: give it
 # T_COMPRESS=240 in a call of its own. A machine start costs about a minute of the 15-minute device budget.
@@ -30,6 +30,11 @@ fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels
   timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
+fi
+if [[ $PARTS == *decode* ]]; then  # not in the default set: compresses a 1B model first (minutes)
+  part decode
+  timeout ${T_DECODE:-400} python3 benchmarks/kernels.py --parts decode --out "$OUT" 2>&1 | tee "$OUT/decode.log" \
+    | grep -v '^\s*$' | tail -8
 fi
 if [[ $PARTS == *train,* || $PARTS == *train ]]; then
   part train

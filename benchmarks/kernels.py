@@ -332,6 +332,32 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
         row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps)
         if dense is not None:
             row["tok_s_fp16"] = generate(dense)[1]
+        row.update(static_graph_decode(qmodel, dense, ids, new_tokens))
+    return row
+
+
+def static_graph_decode(qmodel, dense, ids: torch.Tensor, new_tokens: int) -> dict:
+    """Greedy tokens/s with a static cache and CUDA-graph replays (benchmarks/decode_graph.py): the checkpoint on
+    the fused kernels (``QRECOVER_KERNELS=1``) and the fp16 model, and the ratio the issue asks >= 2x of."""
+    from benchmarks.decode_graph import greedy_static
+
+    old = os.environ.get("QRECOVER_KERNELS")
+    os.environ["QRECOVER_KERNELS"] = "1"
+    try:
+        q = greedy_static(qmodel, ids, new_tokens)
+    finally:
+        if old is None:
+            os.environ.pop("QRECOVER_KERNELS", None)
+        else:
+            os.environ["QRECOVER_KERNELS"] = old
+    row = {"graph_tok_s_fused": q["tok_per_s"], "graph_fused": q["graph"], "graph_fused_error": q["graph_error"],
+           "graph_warmup_s_fused": q["warmup_s"]}
+    if dense is not None:
+        d = greedy_static(dense, ids, new_tokens)
+        row.update(graph_tok_s_fp16=d["tok_per_s"], graph_fp16=d["graph"], graph_fp16_error=d["graph_error"],
+                   graph_tokens_match_fp16=sum(a == b for a, b in zip(q["tokens"], d["tokens"])) / new_tokens)
+        if q["tok_per_s"] and d["tok_per_s"]:
+            row["graph_speedup_vs_fp16"] = q["tok_per_s"] / d["tok_per_s"]
     return row
 
 
@@ -367,6 +393,13 @@ def markdown(result: dict) -> str:
             lines[-1] += f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}"
             if "tok_s_fp16" in d:
                 lines[-1] += f", fp16 {d['tok_s_fp16']:.1f}"
+            if d.get("graph_tok_s_fused"):
+                how = lambda ok, err: "CUDA graph" if ok else f"eager: {err}"  # noqa: E731
+                lines[-1] += (f"; static cache, {how(d['graph_fused'], d['graph_fused_error'])}: fused "
+                              f"{d['graph_tok_s_fused']:.1f} tokens/s")
+                if d.get("graph_tok_s_fp16"):
+                    lines[-1] += (f", fp16 ({how(d['graph_fp16'], d['graph_fp16_error'])}) {d['graph_tok_s_fp16']:.1f}, "
+                                  f"{d.get('graph_speedup_vs_fp16', 0):.2f}x")
     return "\n".join(lines)
 
 
