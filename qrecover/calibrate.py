@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from .distributed import SINGLE, OrderedSum, World
 from .errors import QRecoverError
+from .hardware import native_bf16
 from .models import decoder_layers, lazy_weights, linear_layers, module_name, resident
 from .moe import expert_key
 from .progress import progress
@@ -42,7 +43,8 @@ class _Stop(Exception):
 
 
 def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool = True,
-                   device: torch.device | str = "cpu", layerwise: bool | None = None, group: World = SINGLE) -> dict:
+                   device: torch.device | str = "cpu", layerwise: bool | None = None, group: World = SINGLE,
+                   bf16: bool = False) -> dict:
     """Backward passes over ``windows (n, seq_len)``; see the module docstring. Returns a dict:
 
     ``out_grad_sq``: ``{linear name: (out,)}`` for every linear in the decoder layers;
@@ -58,17 +60,19 @@ def gradient_stats(model: nn.Module, windows: torch.Tensor, show_progress: bool 
 
     ``group``: the processes of a launch (:mod:`qrecover.distributed`): each runs its share of ``windows`` (all
     of them given to every process) and the sums are reduced in window order (the same bits as one process).
+    ``bf16``: the passes under bf16 autocast on ``device`` (the statistics still summed in float64).
     """
     if layerwise is None:
         layerwise = torch.device(device).type != "cpu" or lazy_weights(model) is not None
-    if layerwise and _final_norm(model) is not None:
-        return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)), group)
-    home = next(model.parameters()).device
-    model.to(device)
-    try:
-        return _gradient_stats(model, windows.to(device), show_progress, None, group)
-    finally:
-        model.to(home)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+        if layerwise and _final_norm(model) is not None:
+            return _gradient_stats(model, windows, show_progress, _layerwise_step(model, torch.device(device)), group)
+        home = next(model.parameters()).device
+        model.to(device)
+        try:
+            return _gradient_stats(model, windows.to(device), show_progress, None, group)
+        finally:
+            model.to(home)
 
 
 def _final_norm(model: nn.Module) -> nn.Module | None:
@@ -441,9 +445,13 @@ def plan_stats(linear: Sequence[Any], embedding: Sequence[Any], damage: bool) ->
 
 
 def gradients(model: nn.Module, windows: torch.Tensor, plan: StatsPlan, device, show_progress: bool,
-              group: World = SINGLE) -> dict | None:
-    """The backward pass's statistics (:func:`gradient_stats`), or None when not planned."""
-    return gradient_stats(model, windows, show_progress, device, group=group) if plan.gradients else None
+              group: World = SINGLE, precision: str = "fp32") -> dict | None:
+    """The backward pass's statistics (:func:`gradient_stats`), or None when not planned. ``precision``: 'fp32',
+    'bf16' (autocast) or 'auto' (bf16 where the device computes it natively)."""
+    if not plan.gradients:
+        return None
+    bf16 = precision == "bf16" or (precision == "auto" and native_bf16())
+    return gradient_stats(model, windows, show_progress, device, group=group, bf16=bf16)
 
 
 def layer_pass(model: nn.Module, windows: torch.Tensor, want: frozenset[str],

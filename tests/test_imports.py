@@ -24,7 +24,7 @@ PKG = Path(qrecover.__file__).parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("qrecover._version", "qrecover.errors", "qrecover.fields", "qrecover.registry", "qrecover.packing",
                 "qrecover.io_utils", "qrecover.progress", "qrecover.measure", "qrecover.config", "qrecover.benchdata",
-                "qrecover.recipes", "qrecover.distributed")),
+                "qrecover.recipes", "qrecover.distributed", "qrecover.hardware")),
     # reports.results is the results file format (written by evaluate, read by reports), as checkpoint is the manifest's
     ("formats", ("qrecover.schemes", "qrecover.qlinear", "qrecover.kernels", "qrecover.checkpoint", "qrecover.moe",
                  "qrecover.reports.results")),

@@ -232,7 +232,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     tinfo = apply_transforms(model, windows, lin_encs + emb_unit.cands, device, show_progress)
     # stage calibrate: only what the candidates and the damage estimate need
     plan = plan_stats(lin_encs, emb_unit.cands, cfg.bpw is not None or any(len(u.cands) > 1 for u in units.values()))
-    grads = gradients(model, windows, plan, device, show_progress, group)
+    grads = gradients(model, windows, plan, device, show_progress, group, cfg.grad_precision)
 
     # stage candidates, layer by layer (one decoder layer's statistics at a time)
     def on_layer(_i: int, _layer: nn.Module, stats: dict) -> None:
