@@ -86,7 +86,7 @@ def compress(
     cfg = CompressConfig(**config, bpw=target, bits=widths, scheme_params=params)
     # the options are valid: now the heavy modules (torch, transformers; seconds to import)
     from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
-    from ..distributed import join
+    from ..distributed import join  # lazy: pulls torch
 
     if out is None:
         out = _default_out(config["model"], cfg, config["encodings"])
