@@ -19,33 +19,50 @@ DEFAULT_ENCODINGS = "mixed-blocks"
 class CompressConfig(DictConfig):
     what = "compress config"
 
-    model: str | None = doc_field(None, "Hugging Face causal-LM directory or .gguf file; None = the built-in default model")
+    # the CLI's options are these fields (qrecover.cli.config_options) but bpw, bits and scheme_params, which it takes in
+    # forms of its own (--bpw/--uniform, --bits 2,4, --group-size/--block-size/--scheme-param), and seed; the help
+    # texts are the CLI's, details for configs in the comments
+
+    # None = the built-in default model (qrecover.models.DEFAULT_MODEL)
+    model: str | None = doc_field(None, "Hugging Face causal-LM directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)",
+                                  short="-m")
     bpw: float | None = doc_field(3.7, "bits-per-weight budget, measured from packed bytes; None = uniform at the single width in `bits`")
-    scope: str = doc_field("model", "what the budget counts: 'model' (every weight, embedding included) or 'linear' (decoder linear layers only)")
+    # 'model': every weight, embedding included; 'linear': the decoder linear layers only
+    scope: str = doc_field("model", "what --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)")
     bits: list[int] = doc_field(None, "candidate bit widths for the decoder linear layers (with `scheme`; None: 2, 3, 4)", )
-    scheme: str = doc_field(None, "quantizer for the decoder linear layers (a registered scheme name; None: palettize)")
+    # None: palettize
+    scheme: str = doc_field(None, "quantizer for the linear layers, a registered scheme (palettize, blockwise, ...; palettize with "
+                                  "--bits alone); with --bits, shorthand for --encodings SCHEME:B1,SCHEME:B2,...")
     scheme_params: dict[str, Any] = doc_field(None, "parameters of that scheme, e.g. {'group_size': 16}")
-    embedding_bits: str = doc_field("auto", "shorthand for embedding_encodings: 'auto' (the allocator picks among 4-bit row-wise blocks of "
-                                            "128/64/32, 8-bit per-channel, 3- and 2-bit blocks of 32 and 4/3-bit per-row look-up tables), 'legacy' "
-                                            "(the first four only), '4' or '8'")
-    encodings: str | None = doc_field(None, "candidate encodings of the decoder linear layers as specs, e.g. 'palettize:2,palettize:3,gptq:4/g64' "
-                                            "(grammar: qrecover.stages.specs); None = `scheme` at every width of `bits` with `scheme_params`, "
-                                            "or, when neither is given, the default menu (DEFAULT_ENCODINGS, 'mixed-blocks')")
-    embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding (and an untied output matrix) as specs, e.g. "
-                                                      "'blockwise:4/b32/asym,blockwise:8/pc'; None = from `embedding_bits`")
-    finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers before it "
-                                     "(GPTQ's sequential mode)")
-    finalize_groups: str = doc_field("input", "finalize's order inside a decoder layer: 'input' (true-sequential: the linears sharing an "
-                                              "input, q/k/v then o then gate/up then down, each group's statistics taken with the earlier "
-                                              "groups quantized) or 'layer' (one statistics pass for the whole layer, as llm-compressor's "
-                                              "GPTQ: about 2 layer forwards per window instead of 3.3, measured in benchmarks/schemes.py)")
-    device: str = doc_field("auto", "where calibration, quantization and finalize run: 'cpu', 'cuda' (or 'cuda:N') or 'auto' (CUDA when available); "
-                                    "one decoder layer is on it at a time")
-    allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (the baseline: lower widths spread evenly "
-                                               "by position)")
-    calib_data: str = doc_field("python-docs", "calibration text: 'python-docs' (built in), a directory, file or glob of text files, or a "
-                                               "data-mix recipe: 'calib-mix' (shipped: docs + the model's own general chats) or a .toml")
-    calib_samples: int = doc_field(32, "calibration windows (32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw)")
+    # 'auto': the allocator picks among them; '4' and '8' as strings
+    embedding_bits: str = doc_field("auto", "shorthand for --embedding-encodings: 'auto' (4-bit row-wise blocks of 128/64/32, 8-bit "
+                                            "per-channel, 3/2-bit blocks of 32, 4/3-bit per-row tables, 4/3-bit GPTQ groups of 32), "
+                                            "'legacy' (the first four), 4 or 8")
+    # grammar: qrecover.stages.specs; None = `scheme` at every width of `bits` with `scheme_params`, or, when neither is
+    # given, the default menu (DEFAULT_ENCODINGS, 'mixed-blocks')
+    encodings: str | None = doc_field(None, "candidate encodings of the linear layers as specs, e.g. "
+                                            "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: mixed-blocks (the default), "
+                                            "quick, afm, afm-blocks, mixed, mixed-awq (overrides --scheme/--bits)")
+    # the embedding's and an untied output matrix's; None = from `embedding_bits`
+    embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding as specs, e.g. blockwise:4/b32/asym,palettize:3/g1 "
+                                                      "(overrides --embedding-bits)")
+    # before it: GPTQ's sequential mode
+    finalize: bool = doc_field(True, "re-quantize each layer with its chosen encoding on the outputs of the already quantized layers "
+                                     "(default on)", flag="--finalize/--no-finalize")
+    # 'input': each group's statistics taken with the earlier groups quantized; 'layer': one statistics pass for the
+    # whole layer, as llm-compressor's GPTQ: about 2 layer forwards per window instead of 3.3, measured in
+    # benchmarks/schemes.py
+    finalize_groups: str = doc_field("input", "'input': true-sequential (q/k/v, o, gate/up, down each calibrated after the ones before "
+                                              "are quantized); 'layer': one pass per layer (faster)")
+    device: str = doc_field("auto", "where calibration, quantization and finalize run: cpu, cuda, cuda:N or auto (CUDA when available), "
+                                    "one decoder layer at a time")
+    # 'position': lower widths spread evenly by position
+    allocation: str = doc_field("sensitivity", "'sensitivity' (knapsack on estimated damage) or 'position' (baseline)")
+    calib_data: str = doc_field("python-docs", "text: 'python-docs' (built in), or a directory, file or glob of text files; or a data-mix "
+                                               "recipe: 'calib-mix' (shipped: the docs' calib split + the model's own general chats) or a "
+                                               ".toml file")
+    # 32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw
+    calib_samples: int = doc_field(32, "calibration windows")
     seq_len: int = doc_field(512, "tokens per calibration window")
     grad_precision: str = doc_field("fp32", "the calibration's gradient pass (the damage estimates' weights): 'fp32', 'bf16' "
                                     "(autocast: about 2x faster where the device computes bf16 natively) or 'auto' (bf16 there, "

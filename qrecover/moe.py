@@ -28,6 +28,8 @@ import re
 import torch
 from torch import nn
 
+from .errors import QRecoverError
+
 FUSED = ("down_proj", "gate_up_proj")
 EXPERT = re.compile(r"^(?P<block>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<leaf>gate_up_proj|down_proj)$")
 
@@ -114,8 +116,6 @@ def unfuse_experts(model: nn.Module, verify: bool = True, only: list[str] | None
         done.append(name)
     missing = sorted(set(only or ()) - set(done))
     if missing:
-        from .errors import QRecoverError
-
         raise QRecoverError(f"the checkpoint's experts modules {missing[:3]} are not fused experts in this model's "
                             "architecture (another transformers version?); load it with the one it was compressed with")
     return done

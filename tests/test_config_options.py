@@ -1,6 +1,7 @@
 """CLI options derived from config dataclasses (:mod:`qrecover.cli.config_options`): a field becomes an option with
 its default, flag, short alias and help text, a ``negate`` bool is turned off by its flag, ``cli=False`` fields are
-not options; every RecoverConfig field is an option of ``qrecover recover`` with the dataclass's own default."""
+not options, ``only`` picks fields in order; every RecoverConfig field is an option of ``qrecover recover`` with the
+dataclass's own default, and compress's, finetune's and tune's config options are their configs' fields."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import pytest
 import typer
 import typer.main
 from typer.testing import CliRunner
 
 from qrecover.cli import app as qrecover_app
 from qrecover.cli.config_options import config_command
+from qrecover.config import CompressConfig
 from qrecover.fields import DictConfig, doc_field
-from qrecover.recovery.config import RecoverConfig
+from qrecover.recovery.config import FinetuneConfig, RecoverConfig, TuneConfig
 
 
 @dataclass
@@ -66,3 +69,35 @@ def test_every_recover_config_field_is_a_recover_option():
         p = params[f.name]
         assert p.opts[0] == f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.name
         assert p.default == (False if f.metadata.get("negate") else f.default), f.name
+
+
+def test_only_names_the_fields_in_order_where_config_stands():
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    @config_command(Toy, only=("name", "size"))
+    def run(path: str = typer.Argument(...), config: dict | None = None, last: int = typer.Option(0, "--last")) -> None:
+        print(json.dumps({"path": path, "last": last, **config}))
+
+    cmd = typer.main.get_command(app)
+    assert [p.name for p in cmd.params] == ["path", "name", "size", "last"]
+    r = CliRunner().invoke(app, ["p", "-s", "5", "--last", "2"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output) == {"path": "p", "last": 2, "name": None, "size": 5}
+    assert CliRunner().invoke(app, ["p", "--no-keep"]).exit_code == 2
+
+
+@pytest.mark.parametrize("command,cls,own", [("compress", CompressConfig, ("bpw", "bits")), ("finetune", FinetuneConfig, ()),
+                                             ("tune", TuneConfig, ("mix",))])
+def test_config_fields_of_compress_finetune_and_tune_are_their_options(command, cls, own):
+    """Each option named as a field of the command's config (but those it takes in a form of its own: ``own``) has the
+    field's flag, short alias, default and help text."""
+    params = {p.name: p for p in typer.main.get_command(qrecover_app).commands[command].params}
+    fields = [f for f in dataclasses.fields(cls) if f.name in params and f.name not in own]
+    assert len(fields) >= 8, command
+    for f in fields:
+        p = params[f.name]
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        assert "/".join([p.opts[0], *p.secondary_opts]) == flag and p.opts[1:] == [f.metadata.get("short")][:len(p.opts) - 1], f.name
+        assert p.default == (False if f.metadata.get("negate") else f.default), f.name
+        assert " ".join(f.metadata["help"].split())[1:] in " ".join(p.help.split()), f.name

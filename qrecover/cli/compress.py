@@ -9,7 +9,8 @@ import typer
 
 from ..config import CompressConfig
 from ..errors import QRecoverError
-from .common import CalibDataOpt, JsonOpt, ModelArg, console, emit_json, parse_ints
+from .common import JsonOpt, console, emit_json, parse_ints
+from .config_options import config_command
 
 EXAMPLES = """Examples:
 
@@ -55,44 +56,25 @@ every layer's columns) is offered to those layers only.
 """
 
 
+# the options but --bpw/--uniform, --bits, --group-size/--block-size/--scheme-param (the CLI's forms of bpw, bits and
+# scheme_params) and the CLI's own are CompressConfig fields (qrecover.cli.config_options): their defaults and help texts
+@config_command(CompressConfig, only=("model", "scope", "scheme", "embedding_bits", "encodings", "embedding_encodings",
+                                      "finalize", "finalize_groups", "device", "allocation", "calib_data", "calib_samples",
+                                      "seq_len"))
 def compress(
     bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw "
                                                             "a single --bits width gives a uniform model)."),
     uniform: bool = typer.Option(False, "--uniform", help="No budget: every linear layer at the single width of --bits (the same as giving one "
                                                           "--bits width and no --bpw)."),
-    model: Optional[str] = ModelArg,
     bits: Optional[str] = typer.Option(None, "--bits", help="Candidate widths for the decoder linear layers with --scheme, e.g. 2,4 (AFM) or "
                                                             "2,3,4 (the default with --scheme). Without --bits, --scheme and --encodings: the "
                                                             "default menu, mixed-blocks."),
-    scope: str = typer.Option("model", "--scope", help="What --bpw counts: 'model' (every weight) or 'linear' (decoder linear layers)."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="Quantizer for the linear layers, a registered scheme (palettize, blockwise, ...; "
-                                                                "palettize with --bits alone); with --bits, shorthand for --encodings "
-                                                                "SCHEME:B1,SCHEME:B2,..."),
+    config: dict | None = None,
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per "
                                                                         "scale (default 64)."),
-    embedding_bits: str = typer.Option("auto", "--embedding-bits", help="Shorthand for --embedding-encodings: 'auto' (4-bit row-wise blocks of "
-                                                                        "128/64/32, 8-bit per-channel, 3/2-bit blocks of 32, 4/3-bit per-row "
-                                                                        "tables, 4/3-bit GPTQ groups of 32), 'legacy' (the first four), 4 or 8."),
-    encodings: Optional[str] = typer.Option(None, "--encodings", help="Candidate encodings of the linear layers as specs, e.g. "
-                                                                      "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: "
-                                                                      "mixed-blocks (the default), quick, afm, afm-blocks, mixed, mixed-awq "
-                                                                      "(overrides --scheme/--bits)."),
-    embedding_encodings: Optional[str] = typer.Option(None, "--embedding-encodings", help="Candidate encodings of the embedding as specs, e.g. "
-                                                                                          "blockwise:4/b32/asym,palettize:3/g1 (overrides "
-                                                                                          "--embedding-bits)."),
     scheme_param: Optional[list[str]] = typer.Option(None, "--scheme-param", help="KEY=VALUE for the linear layers' scheme(s), repeatable, e.g. "
                                                                                   "--scheme-param group_size=8 --scheme-param iters=50."),
-    finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="Re-quantize each layer with its chosen encoding on the outputs of the "
-                                                                         "already quantized layers (default on)."),
-    finalize_groups: str = typer.Option("input", "--finalize-groups", help="'input': true-sequential (q/k/v, o, gate/up, down each "
-                                        "calibrated after the ones before are quantized); 'layer': one pass per layer (faster)."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N or auto (CUDA when available): where calibration, quantization and "
-                                                        "finalize run, one decoder layer at a time."),
-    allocation: str = typer.Option("sensitivity", "--allocation", help="'sensitivity' (knapsack on estimated damage) or 'position' (baseline)."),
-    calib_data: str = CalibDataOpt,
-    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration windows."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration window."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: out/MODEL-BPWbpw)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),
     json_out: bool = JsonOpt,
@@ -100,19 +82,14 @@ def compress(
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
     params = _scheme_params(group_size, block_size, scheme_param)
     widths = parse_ints(bits, "--bits") if bits is not None else None
-    target = _target_bpw(bpw, uniform, widths, encodings, scheme)
-    cfg = CompressConfig(
-        model=model, bpw=target, scope=scope, bits=widths, scheme=scheme,
-        scheme_params=params, embedding_bits=embedding_bits, allocation=allocation, calib_data=calib_data,
-        calib_samples=calib_samples, seq_len=seq_len, encodings=encodings, embedding_encodings=embedding_encodings,
-        finalize=finalize, finalize_groups=finalize_groups, device=device,
-    )
+    target = _target_bpw(bpw, uniform, widths, config["encodings"], config["scheme"])
+    cfg = CompressConfig(**config, bpw=target, bits=widths, scheme_params=params)
     # the options are valid: now the heavy modules (torch, transformers; seconds to import)
     from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
-    from ..distributed import join
+    from ..distributed import join  # lazy: pulls torch
 
     if out is None:
-        out = _default_out(model, cfg, encodings)
+        out = _default_out(config["model"], cfg, config["encodings"])
     rank = join().rank  # under torchrun: one process of several (qrecover.distributed); rank 0 writes and prints
     manifest = run(cfg, out=out, overwrite=overwrite, show_progress=not json_out and rank == 0)  # bad specs fail before any work
     if rank > 0:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..errors import QRecoverError
 from .common import JsonOpt, ModelArg, console, emit_json
 
 EXAMPLES = """Examples:
@@ -42,9 +43,8 @@ def prepare_command(
     json_out: bool = JsonOpt,
 ) -> None:
     """Tokenize each source of MIX once (decontaminated, chat loss masks included) into sharded token files."""
-    from ..data.prepare import prepare_data
-    from ..errors import QRecoverError
-    from ..recovery.api import read_mix
+    from ..data.prepare import prepare_data  # lazy: pulls torch
+    from ..recovery.api import read_mix  # lazy: pulls torch, transformers, peft
 
     if not mix.is_file():
         raise QRecoverError(f"mix {str(mix)!r} does not exist; pass a data-mix TOML with [[source]] tables "

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from ..errors import QRecoverError
+from ..evaluate.config import EvalConfig, parse_tasks
 from .common import JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
@@ -55,9 +57,7 @@ def eval_(
     json_out: bool = JsonOpt,
 ) -> None:
     """Evaluate a model offline with lm-eval: GSM8K, IFEval, MMLU, perplexity and agreement with the unquantized model."""
-    from ..errors import QRecoverError
-    from ..evaluate.config import EvalConfig, parse_tasks
-    from ..evaluate.runner import evaluate, save_results
+    from ..evaluate.runner import evaluate, save_results  # lazy: pulls torch, transformers, peft
 
     if out is not None and out.exists() and not overwrite:  # before minutes of evaluation
         raise QRecoverError(f"results file {str(out)!r} already exists; pass --overwrite to replace it")

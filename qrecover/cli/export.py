@@ -43,8 +43,8 @@ def export(
     """Export a checkpoint to GGUF, compressed-tensors or Core ML: exact where the format holds a layer, the loss measured where not."""
     from rich.markup import escape
 
-    from ..export import cost_lines
-    from ..export import export as run
+    from ..export import cost_lines  # lazy: qrecover.export pulls torch, transformers, peft
+    from ..export import export as run  # lazy: as above
 
     report = run(checkpoint, fmt, out, adapter=adapter, merge_adapter=merge_adapter, requantize=requantize,
                  overwrite=overwrite, merge_windows=merge_windows, cost_windows=cost_windows,

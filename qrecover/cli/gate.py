@@ -8,7 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..errors import QRecoverError
 from ..io_utils import read_json
+from ..reports.gate import gate as run_gate
 from .common import JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
@@ -29,8 +31,6 @@ Exit codes: 0 every checked cell passed, 1 some cell failed, 2 unusable input.
 
 
 def parse_metric(spec: str) -> tuple[str, float]:
-    from ..errors import QRecoverError
-
     name, sep, value = spec.partition("=")
     try:
         if not sep or not name.strip():
@@ -53,9 +53,6 @@ def gate(
     json_out: bool = JsonOpt,
 ) -> None:
     """Gate a release on a report: every checked cell's ratio to the unquantized model must reach its threshold."""
-    from ..errors import QRecoverError
-    from ..reports.gate import gate as run_gate
-
     per_metric: dict[str, float] = {}
     for spec in metric:
         name, value = parse_metric(spec)

@@ -25,7 +25,7 @@ def info(
     json_out: bool = JsonOpt,
 ) -> None:
     """Show a checkpoint's manifest: source, budget, measured bits per weight, per-layer choices."""
-    from ..checkpoint import read_manifest
+    from ..checkpoint import read_manifest  # lazy: pulls torch
 
     m = read_manifest(path)
     if json_out:

@@ -52,7 +52,7 @@ def pipeline(
     evaluate every model, write the Table-10 report. Completed stages are skipped."""
     from rich.markup import escape
 
-    from ..pipeline import execute, load_recipe, make_plan
+    from ..pipeline import execute, load_recipe, make_plan  # lazy: pulls torch, transformers, peft
 
     plan = make_plan(load_recipe(recipe), force)
     if dry_run:

@@ -32,7 +32,7 @@ def ppl(
     if windows <= 0 or seq_len <= 1:
         raise QRecoverError(f"--windows {windows} and --seq-len {seq_len} must be positive (seq-len at least 2)")
     from ..evaluate.perplexity import perplexity  # lazy (and load_any): torch and transformers take seconds to import
-    from ..loading import load_any
+    from ..loading import load_any  # lazy: pulls torch, transformers, peft
 
     m, tok, meta = load_any(model, adapter=adapter, allow_foreign_adapter=allow_foreign_adapter)
     r = perplexity(m, tok, data, windows, seq_len, show_progress=not json_out)

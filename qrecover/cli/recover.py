@@ -57,7 +57,7 @@ def recover(
     configs = [RecoverConfig(**{**config, "rank": r, "mix": None if mix is None else str(mix)}) for r in rank_list]
     # the options are valid: now the heavy modules (torch, transformers, peft; seconds to import)
     from ..recovery.api import read_mix_or_data  # lazy (both): torch, transformers, peft take seconds to import
-    from ..recovery.api import recover as run
+    from ..recovery.api import recover as run  # lazy: pulls torch, transformers, peft
 
     read_mix_or_data(mix)  # the whole mix (TOML, keys, values, the files it names) before any model loads
     base = out or Path(f"{str(checkpoint).rstrip('/')}-lora" + ("" if ranks else f"-r{rank}"))

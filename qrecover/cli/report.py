@@ -8,6 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ..reports.render import cell_text, uninformative_metrics, uninformative_note, write_report
+from ..reports.results import load_results
+from ..reports.table import RATIO_NOTE, metric_names, normalise
 from .common import JsonOpt, console, emit_json
 
 EXAMPLES = """Examples:
@@ -26,10 +29,6 @@ def report(
     json_out: bool = JsonOpt,
 ) -> None:
     """Table-10 style report: per bpw, quantized and recovered scores as a percentage of the unquantized model."""
-    from ..reports.render import cell_text, uninformative_metrics, uninformative_note, write_report
-    from ..reports.results import load_results
-    from ..reports.table import RATIO_NOTE, metric_names, normalise
-
     base = load_results(baseline)
     rows = normalise([load_results(p) for p in results], base)
     rep = write_report(rows, base, out, overwrite=overwrite)

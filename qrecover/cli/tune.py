@@ -9,8 +9,7 @@ import typer
 
 from ..recovery.config import TuneConfig
 from .common import JsonOpt, console, emit_json, training_data
-
-D = TuneConfig.default
+from .config_options import config_command
 
 EXAMPLES = """Examples:
 
@@ -31,31 +30,16 @@ The tuned checkpoint has the source's exact byte count (codes frozen, tables/sca
 """
 
 
+# the training options are TuneConfig fields (qrecover.cli.config_options): their defaults and help texts
+@config_command(TuneConfig, only=("params", "tokens", "objective", "lr", "schedule", "seq_len", "batch_size", "grad_accum",
+                                  "checkpoint_every", "gradient_checkpointing", "precision", "decontaminate", "loss_chunk",
+                                  "teacher_device", "rounding_windows", "seed"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory of the tuned checkpoint (a new checkpoint of the same format)."),
-    params: str = typer.Option(D("params"), "--params", help="What trains: a comma-separated subset of tables, scales, norms, "
-                               "embedding."),
     mix: Optional[Path] = typer.Option(None, "--mix", help="Data-mix recipe (TOML); default: the shipped recovery mix."),
     data: Optional[Path] = typer.Option(None, "--data", help="A directory made by `qrecover data prepare` (same as --mix DIR)."),
-    tokens: int = typer.Option(D("tokens"), "--tokens", "-t", help="Training tokens."),
-    objective: str = typer.Option(D("objective"), "--objective", help="'kd' (distil from the unquantized model), 'ce' or 'mix'."),
-    lr: float = typer.Option(D("lr"), "--lr", help="Peak learning rate of the fp32 masters (AdamW); 0 changes nothing."),
-    schedule: str = typer.Option(D("schedule"), "--schedule", help="'cosine' or 'wsd' after the warm-up."),
-    seq_len: int = typer.Option(D("seq_len"), "--seq-len", help="Tokens per packed training sequence."),
-    batch_size: int = typer.Option(D("batch_size"), "--batch-size", help="Sequences per micro-batch (per process)."),
-    grad_accum: int = typer.Option(D("grad_accum"), "--grad-accum", help="Micro-batches per optimizer step."),
-    checkpoint_every: int = typer.Option(D("checkpoint_every"), "--checkpoint-every", help="Optimizer steps between resumable "
-                                         "checkpoints (0: only at the end)."),
-    gradient_checkpointing: bool = typer.Option(False, "--gradient-checkpointing", help="Recompute activations in backward."),
-    precision: str = typer.Option(D("precision"), "--precision", help="'auto', 'bf16' or 'fp32'."),
-    no_decontaminate: bool = typer.Option(False, "--no-decontaminate", help="Keep training documents that overlap the "
-                                          "evaluation sets."),
-    loss_chunk: int = typer.Option(D("loss_chunk"), "--loss-chunk", help="Positions per chunk of the loss; 0 = unchunked."),
-    teacher_device: Optional[str] = typer.Option(None, "--teacher-device", help="Device of the distillation teacher, e.g. cuda:1."),
-    rounding_windows: int = typer.Option(D("rounding_windows"), "--rounding-windows", help="Held-out windows scored before and "
-                                         "after rounding the masters to fp16 (0: not measured)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the data order."),
+    config: dict | None = None,
     overwrite: bool = typer.Option(False, "--overwrite", help="Tune again from scratch if OUT exists."),
     resume: bool = typer.Option(False, "--resume", help="Continue OUT's last checkpoint (a finished one is left as it is)."),
     keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT/checkpoints after training."),
@@ -65,11 +49,7 @@ def tune(
     from ..recovery.tune import tune as run  # lazy: torch, transformers, peft take seconds to import
 
     mix = training_data(mix, data, overwrite, resume)
-    cfg = TuneConfig(params=params, tokens=tokens, mix=None if mix is None else str(mix), objective=objective, lr=lr,
-                     schedule=schedule, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
-                     checkpoint_every=checkpoint_every, gradient_checkpointing=gradient_checkpointing, precision=precision,
-                     decontaminate=not no_decontaminate, loss_chunk=loss_chunk, teacher_device=teacher_device,
-                     rounding_windows=rounding_windows, seed=seed)
+    cfg = TuneConfig(**config, mix=None if mix is None else str(mix))
     manifest = run(checkpoint, out, cfg, overwrite=overwrite, resume=resume, show_progress=not json_out,
                    keep_checkpoints=keep_checkpoints)
     if not manifest:  # a non-main process of a distributed run: the main one reports

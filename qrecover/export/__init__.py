@@ -18,8 +18,9 @@ from typing import Any, Callable
 from ..errors import QRecoverError
 from ..io_utils import atomic_dir
 from .common import Checkpoint, check_adapter, parse_requantize, read_checkpoint, write_binding, write_meta
-from .compressed_tensors import plan
-from .gguf_format import arch_of
+from .compressed_tensors import export_compressed_tensors, plan
+from .coreml import export_coreml  # coremltools itself is imported where used
+from .gguf_format import arch_of, export_gguf, export_gguf_adapter
 from .merge import cost_lines, merged_checkpoint
 
 FORMATS = ("gguf", "compressed-tensors", "coreml")
@@ -112,21 +113,15 @@ def _write_format(fmt: str, ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] |
     """Write the base in ``fmt`` into ``tmp`` (and the adapter beside it, where the format has one); return the
     format's report and the base's file (or directory)."""
     if fmt == "gguf":
-        from .gguf_format import export_gguf, export_gguf_adapter
-
         report = export_gguf(ckpt, tmp, log)
         base_file = tmp / report["file"]
         if adapter is not None:
             (tmp / ADAPTER_DIR).mkdir()
             report["adapter"] = export_gguf_adapter(Path(adapter), ckpt, tmp / ADAPTER_DIR)
     elif fmt == "coreml":
-        from .coreml import export_coreml
-
         report = export_coreml(ckpt, tmp, log)
         base_file = tmp / report["file"]
     else:
-        from .compressed_tensors import export_compressed_tensors
-
         report = export_compressed_tensors(ckpt, tmp, spec, log)
         base_file = tmp / report["file"]
         if adapter is not None:

@@ -80,7 +80,7 @@ def lora_delta_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
 
 
 def _kernels():
-    from . import multi_adapter_kernels
+    from . import multi_adapter_kernels  # lazy: pulls triton, optional (absent on CPU-only machines)
 
     return multi_adapter_kernels
 

@@ -167,14 +167,17 @@ class TuneConfig(RecoverConfig):
     what = "tune config"
     allow_zero_lr: ClassVar[bool] = True
 
-    params: str = doc_field("tables,scales,norms,embedding", "comma-separated continuous parameters to train: 'tables' "
-                            "(palettization look-up tables), 'scales' (blockwise/GPTQ scales), 'norms' (normalization "
-                            "weights), 'embedding' (the packed embedding's tables or scales, read by the tied head too)")
-    lr: float = doc_field(2e-3, "peak learning rate (AdamW) of the masters, in units of each row's RMS (so lr 2e-3 moves a table "
-                          "entry or a scale by about 0.2% of its row's size per step), and of the norms; 0 leaves every tensor as "
-                          "it was. 2e-3 closed 2.4x more held-out gap than 5e-4 on SmolLM2 (docs/tune.md)")
-    rounding_windows: int = doc_field(4, "windows of seq_len tokens of the python-docs 'eval' split scored with the fp32 "
-                                      "masters and after rounding them to fp16 (what rounding costs; 0 = not measured)")
+    # the continuous parameters to train: 'tables' (palettization look-up tables), 'scales' (blockwise/GPTQ scales),
+    # 'norms' (normalization weights), 'embedding' (the packed embedding's tables or scales, read by the tied head too)
+    params: str = doc_field("tables,scales,norms,embedding", "what trains: a comma-separated subset of tables, scales, norms, "
+                            "embedding")
+    # in units of each row's RMS (so lr 2e-3 moves a table entry or a scale by about 0.2% of its row's size per step),
+    # and of the norms; 0 leaves every tensor as it was. 2e-3 closed 2.4x more held-out gap than 5e-4 on SmolLM2
+    # (docs/tune.md)
+    lr: float = doc_field(2e-3, "peak learning rate of the fp32 masters (AdamW); 0 changes nothing")
+    # windows of seq_len tokens of the python-docs 'eval' split, scored with the fp32 masters and after rounding them
+    # to fp16 (what rounding costs)
+    rounding_windows: int = doc_field(4, "held-out windows scored before and after rounding the masters to fp16 (0: not measured)")
 
     def validate(self) -> None:
         super().validate()
@@ -191,3 +194,17 @@ class TuneConfig(RecoverConfig):
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in str(self.params).split(",") if k.strip())
+
+
+@dataclass
+class FinetuneConfig(RecoverConfig):
+    """:class:`RecoverConfig` with a feature adapter's defaults (``qrecover finetune``): cross-entropy on the feature's
+    own data, not decontaminated, from a start that is already good. The LoRA fields (rank, init, ...) are unused: the
+    adapter is its ``--init-adapter``'s."""
+
+    what = "finetune config"
+
+    objective: str = doc_field("ce", "'ce' only: a feature adapter learns new behaviour, it does not imitate the unquantized model")
+    lr: float = doc_field(2e-4, "peak learning rate (lower than recovery: the start is already good)")
+    batch_size: int = doc_field(4, "sequences per micro-batch")
+    decontaminate: bool = doc_field(False, "the feature's own data is kept whole (not checked against the evaluation sets)")
