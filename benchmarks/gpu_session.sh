@@ -6,7 +6,10 @@
 # ~85-100 s, train with --compile-layers ~85 s (47 s of it compiling); compress did not finish in 105 s: give it
 # T_COMPRESS=240 in a call of its own. A machine start costs about a minute of the 15-minute device budget.
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
-# benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README).
+# benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README), made here with
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+# and the call names .whl in `carry`.
 set -u
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 PARTS=${1:-tests,kernels,train,train-compiled,compress}
