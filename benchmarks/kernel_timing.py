@@ -74,9 +74,9 @@ def repack_costs(layer, device: str) -> dict:
     """One-time costs at first use: the decode kernel's table repack and torch's int4 repack (where it applies)."""
     fmt = layer_format(layer)
     tensors, s = timed_once(lambda: kernels.kernel_tensors(layer, fmt), device)
-    extra = tensors.get("lut_kernel")
+    extra = [t for k, t in tensors.items() if k.startswith("lut_kernel_") and t is not tensors.get("lut")]  # every layout kept
     row = {"packed_MB": layer.nbytes / 1e6, "repack_ms": s * 1e3,
-           "repack_MB": 0.0 if extra is None or extra is tensors.get("lut") else extra.numel() * extra.element_size() / 1e6}
+           "repack_MB": sum(t.numel() * t.element_size() for t in extra) / 1e6}
     if int4pack.supported(fmt):
         try:
             w, s = timed_once(lambda: int4pack.repack(layer, fmt, torch.bfloat16), device)

@@ -7,14 +7,17 @@ shuffles), and each tile is reduced across lanes. Here:
 
 - codes are extracted by an unrolled loop over a word's code positions (``tl.static_range``), so every shift
   and mask is a compile-time constant (3-bit codes straddling two words join with one more shift and or);
-- the activations for code position ``j`` of every word are loaded directly (stride ``32 / bits``; they are
-  shared by the ``BLOCK_N`` rows and stay in L1);
-- palettize tables are read through L1 with one load per weight, or, after a one-time repack at load
-  (:func:`kernel_tables`), one 64-bit load of an fp32 *pair* per two weights (2- and 4-bit: a byte of the
-  packed word indexes a 256-entry table of value pairs, FLUTE's trick);
+- activations are read two per 32-bit load for fp16/bf16 (:func:`x_pairs`) and split in registers; they are
+  shared by the ``BLOCK_N`` rows and stay in L1;
+- palettize tables, repacked once at first use (:func:`kernel_tables`), are fp32 *pair* tables (2/3/4-bit: two
+  codes index one entry, read as one 64-bit load and split into its fp32 halves, FLUTE's trick) or fp32 singles;
+  which layout a shape uses is a tuning choice (``Config.lut``, :func:`table_modes`);
+- ``Config.asm`` reads the tables and the strided 3-bit words through inline PTX (``ld.global.nc``): triton 3.6
+  gives a plain gathered ``tl.load`` a register layout of its own and converts it back through shared memory;
+- the next tile's code words are requested before the current tile is decoded (a register double buffer);
 - blockwise: the tile lies in one block, so ``sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)``: one FMA
   per weight, the scale applied once per word; the code becomes a float through its bits (``2**23 + c``, minus
-  ``2**23``: exact), a full-rate add instead of a quarter-rate ``I2F``;
+  ``2**23``: exact), a full-rate add instead of a quarter-rate ``I2F``; ``sum_k x_k`` in the same pass;
 - the accumulator keeps the word axis and is reduced across lanes once, after the loop.
 
 The packed codes are read in place (no repack of ``qdata``). Shapes: ``x (M, K)``, ``qdata`` as ``int32`` words
@@ -99,8 +102,7 @@ def _value(c, tbase, lut_ptr, SCHEME: tl.constexpr, BITS: tl.constexpr, ASM: tl.
 def _word(ptr, ASM: tl.constexpr):
     """One code word per pointer, as uint32 (``ASM``: inline PTX, keeping the pointers' register layout)."""
     if ASM:
-        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.uint32, is_pure=True,
-                                         pack=1)
+        return _lut_load(ptr, True, False).to(tl.uint32, bitcast=True)
     return tl.load(ptr).to(tl.uint32, bitcast=True)
 
 
@@ -224,8 +226,9 @@ def kernel_tables(fmt: Format, lut: torch.Tensor, mode: int | None = None) -> to
     return torch.stack([table[:, idx % n], table[:, idx // n]], dim=-1).contiguous()
 
 
-def _interpreting() -> bool:
-    """Built for triton's CPU interpreter (inline PTX cannot run there)."""
+def interpreting() -> bool:
+    """True when these kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module
+    was imported: ``@triton.jit`` reads it at decoration time); inline PTX cannot run there."""
     return isinstance(_gemv_kernel, InterpretedFunction)
 
 
@@ -252,7 +255,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
         xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, k * fmt.bits // 32, k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
-        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not _interpreting(),
+        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -48,10 +48,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
-from triton.runtime.interpreter import InterpretedFunction
 
 from . import gemv
 from .formats import Config, Format
+from .gemv import interpreting  # re-exported: qmatmul.interpreting() is the kernels' check
 
 # ------------------------------------------------------------------------------------------- kernels
 
@@ -175,12 +175,6 @@ def _splitk_reduce(ws_ptr, bias_ptr, out_ptr, total, N, stride_os,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def interpreting() -> bool:
-    """True when these kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module
-    was imported: ``@triton.jit`` reads it at decoration time)."""
-    return isinstance(_qmm_kernel, InterpretedFunction)
 
 
 # ------------------------------------------------------------------------------------------- configs
