@@ -1,6 +1,8 @@
-"""What this process's device computes natively (a leaf: no qrecover imports)."""
+"""What this machine has: what its device computes natively, how much memory is free (a leaf: no qrecover imports)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -14,3 +16,19 @@ def native_bf16() -> bool:
         return torch.cuda.is_bf16_supported()
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(torch.backends.mkldnn.is_available() and check is not None and check())
+
+
+def available_memory() -> int:
+    """Bytes of memory available to this process now: Linux's ``MemAvailable`` (free plus reclaimable page cache),
+    else free pages (``sysconf``); 0 where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("qrecover.models",)),
     ("data", ("qrecover.data",)),
     # loading (a checkpoint, with its adapter) sits on the adapters: PEFT integration is how an adapter loads
-    ("algorithms", ("qrecover.transforms", "qrecover.calibrate", "qrecover.sensitivity", "qrecover.allocate",
+    ("algorithms", ("qrecover.transforms", "qrecover.calibrate", "qrecover.grad_pass", "qrecover.sensitivity", "qrecover.allocate",
                     "qrecover.allocate_solver",
                     "qrecover.adapters", "qrecover.loading")),
     ("stages", ("qrecover.stages", "qrecover.recovery", "qrecover.evaluate")),

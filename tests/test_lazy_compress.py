@@ -247,3 +247,38 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tok_dir):
     # the candidates held beside the finalized copy, 24.5%); holding their weights would be 100%
     assert grown < 0.15 * added, (peaks, sizes)
     assert peaks[30] < sizes[30], (peaks, sizes)  # (about 0.75 GB of it is the interpreter and its imports)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_gradient_pass_reads_each_layer_once_when_the_model_fits(name, tmp_path, tok_dir, monkeypatch):
+    """On the CPU a lazily loaded model that fits in memory takes the whole-model gradient pass: each decoder layer
+    read once for the pass (not twice per window) and the full model's statistics to the bit; short of memory, the
+    layer-wise pass (two reads per layer and window), the same statistics to float tolerance; the layers are
+    dropped again after either."""
+    from qrecover import grad_pass
+    from qrecover.models import LazyWeights
+
+    d = _build(name, tmp_path / name, tok_dir)
+    full, _, _ = load_model(str(d), lazy=False)
+    lazy, _, _ = load_model(str(d), lazy=True)
+    windows = torch.randint(0, 2000, (3, 16), generator=torch.Generator().manual_seed(0))
+    reads = []
+    real_read = LazyWeights.read
+    monkeypatch.setattr(LazyWeights, "read", lambda self, keys: reads.append(keys) or real_read(self, keys))
+    n_layers = len(decoder_layers(lazy))
+
+    ref = grad_pass.gradient_stats(full, windows, False)
+    whole = grad_pass.gradient_stats(lazy, windows, False)
+    assert len(reads) == n_layers
+    for k in ref["out_grad_sq"]:
+        assert torch.equal(whole["out_grad_sq"][k], ref["out_grad_sq"][k]), k
+    assert torch.equal(whole["emb_fisher"], ref["emb_fisher"]) and whole["loss"] == ref["loss"]
+    assert all(p.is_meta for n, p in lazy.named_parameters() if ".layers." in n)
+
+    reads.clear()
+    monkeypatch.setattr(grad_pass, "available_memory", lambda: 0)
+    layerwise = grad_pass.gradient_stats(lazy, windows, False)
+    assert len(reads) == 2 * len(windows) * n_layers
+    for k in ref["out_grad_sq"]:
+        torch.testing.assert_close(layerwise["out_grad_sq"][k], ref["out_grad_sq"][k], rtol=1e-4, atol=0)
+    assert all(p.is_meta for n, p in lazy.named_parameters() if ".layers." in n)
