@@ -58,6 +58,9 @@ def info(
         t.add_row("not quantized", f"{len(u)} matrices in 16 bits (e.g. {next(iter(u))}): not nn.Linear weights qrecover can quantize")
     if m.get("transforms"):
         t.add_row("transforms", f"{'+'.join(m['transforms']['names'])} ({m['transforms']['applies_to']})")
+        if online := m["transforms"].get("online"):
+            why = "; ".join(sorted({s.get("why", "") for s in online.values()}))
+            t.add_row("online", f"{len(online)} rotation(s) at run time ({why}): qrecover.load re-attaches them; no export format holds them")
     c = m["calibration"]
     loss = "" if c.get("loss") is None else f", loss {c['loss']:.3f}"
     t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens{loss}")

@@ -99,9 +99,11 @@ def _check_options(fmt: str, out: Path, overwrite: bool, adapter: str | Path | N
 def _check_exportable(ckpt: Checkpoint, checkpoint: Path, fmt: str) -> None:
     """Refuse a checkpoint that no export format holds yet: an online rotation, or experts quantized one by one."""
     if online := ckpt.manifest.get("transforms", {}).get("online"):
-        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {', '.join(online)} (rot+ on a tied head: the final "
-                            f"norm runs un-rotated); --format {fmt} cannot hold it: compress without rot+ in --encodings, or load it "
-                            "with qrecover.load")
+        why = sorted({spec.get("why", "rot+ on a tied head: the final norm runs un-rotated") for spec in online.values()})
+        avoid = " and ".join(sorted({"r4+" if spec.get("side") == "input" else "rot+" for spec in online.values()}))
+        where = ", ".join(list(online)[:2]) + (f" and {len(online) - 2} more" if len(online) > 2 else "")
+        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where} ({'; '.join(why)}); "
+                            f"--format {fmt} cannot hold it: compress without {avoid} in --encodings, or load it with qrecover.load")
     if ckpt.manifest.get("moe", {}).get("unfused"):
         raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
                             f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "

@@ -18,7 +18,12 @@ of order 12, 20, 28, ... times a power of two); here the small factors are const
 - ``hadamard``: ``diag(s) H / sqrt(n)`` with ``s`` seeded random signs (a randomised Hadamard, as QuaRot);
 - ``block``: block-diagonal, each block a randomised Sylvester Hadamard of the largest power of two that
   divides ``n`` (576 -> 9 blocks of 64; 1536 -> 3 of 512): it only mixes within a block;
-- ``random``: a seeded Haar-random orthogonal matrix (QR of a Gaussian matrix, signs fixed by ``R``'s diagonal).
+- ``random``: a seeded Haar-random orthogonal matrix (QR of a Gaussian matrix, signs fixed by ``R``'s diagonal);
+- ``fwht``: ``diag(s) (H_p (x) H_b) / sqrt(n)`` with ``b`` the largest power of two such that ``p = n / b`` is 1 or a
+  Paley order (1536 = 12 x 128, 576 = 36 x 16): the rotation an online transform applies, in
+  ``O(n (log b + p))`` per row (:func:`rotate`: butterflies along ``b``, a ``p x p`` product) instead of ``n^2``.
+
+:func:`rotate` applies ``x @ rotation(n, kind, seed)`` to rows: fast for ``fwht``, a dense product otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from ..errors import QRecoverError
 
-KINDS = ("hadamard", "block", "random")
+KINDS = ("hadamard", "block", "random", "fwht")
 _MAX_PRIME = 1024
 
 
@@ -123,10 +128,64 @@ def rotation(n: int, kind: str = "hadamard", seed: int = 0) -> torch.Tensor:
         b = n & -n  # the largest power of two dividing n
         blocks = [_signs(b, gen)[:, None] * _sylvester(b) / math.sqrt(b) for _ in range(n // b)]
         return torch.block_diag(*blocks)
+    if kind == "fwht":
+        p, b = fast_factors(n)
+        return _signs(n, gen)[:, None] * torch.kron(_small(p), _sylvester(b)) / math.sqrt(n)
     if kind == "random":
         q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
         return q * torch.sign(torch.diagonal(r))[None, :]
     raise QRecoverError(f"unknown rotation kind {kind!r}; choose from {list(KINDS)}")
 
 
-__all__ = ["KINDS", "factors", "hadamard", "paley_orders", "rotation"]
+@lru_cache(maxsize=None)
+def fast_factors(n: int) -> tuple[int, int]:
+    """``(p, b)``, ``n = p b``: ``b`` the largest power of two leaving ``p`` 1 or a Paley order (the ``fwht`` kind's
+    factors); QRecoverError where there is none."""
+    b = n & -n if n > 0 else 0
+    while b >= 1:
+        if n // b == 1 or n // b in paley_orders():
+            return n // b, b
+        b //= 2
+    raise QRecoverError(f"no fast Hadamard transform of order {n} (orders: a power of two times 1 or a Paley order); "
+                        "use rotation kind 'random' or 'block'")
+
+
+@lru_cache(maxsize=32)
+def _small(p: int) -> torch.Tensor:
+    return torch.ones(1, 1, dtype=torch.float64) if p == 1 else _paley(*paley_orders()[p])
+
+
+@lru_cache(maxsize=32)
+def _fwht_parts(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``fwht`` rotation's signs ``(n,)`` and small factor ``(p, p)`` scaled by ``1 / sqrt(n)`` (float64)."""
+    p, _ = fast_factors(n)
+    return _signs(n, torch.Generator().manual_seed(int(seed))), _small(p) / math.sqrt(n)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H_b`` along the last dimension (``b`` a power of two, Sylvester's order, unnormalised): ``log2 b``
+    butterfly stages of adds and subtracts."""
+    b = x.shape[-1]
+    lead = x.shape[:-1]
+    y, h = x.reshape(-1, b), 1
+    while h < b:
+        y = y.view(-1, b // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return y.reshape(*lead, b)
+
+
+def rotate(x: torch.Tensor, n: int, kind: str, seed: int) -> torch.Tensor:
+    """``x @ rotation(n, kind, seed)`` for rows ``x (..., n)``, in ``x``'s dtype: for ``fwht`` the signs, ``log2 b``
+    butterfly stages and one ``p x p`` product (the torch reference of the online transform); otherwise the
+    dense product."""
+    if kind != "fwht":
+        return x @ rotation(n, kind, seed).to(x.device, x.dtype)
+    s, small = _fwht_parts(n, seed)
+    p, b = fast_factors(n)
+    y = fwht((x * s.to(x.device, x.dtype)).reshape(*x.shape[:-1], p, b))
+    y = torch.einsum("...kl,ki->...il", y, small.to(x.device, x.dtype))
+    return y.reshape(x.shape)
+
+
+__all__ = ["KINDS", "factors", "fast_factors", "fwht", "hadamard", "paley_orders", "rotate", "rotation"]

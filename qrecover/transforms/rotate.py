@@ -41,6 +41,7 @@ from ..errors import QRecoverError
 from ..models import decoder_layers, resident
 from .base import Transform, register_transform
 from .hadamard import rotation
+from .online_r4 import OnlineInputRotation
 
 #: decoder-layer class -> the norm's weight offset (Gemma's RMSNorm multiplies by ``1 + w``)
 SUPPORTED = {c: 0.0 for c in ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
@@ -148,9 +149,14 @@ class OnlineRotation:
 
 
 def attach_online(model: nn.Module, online: dict[str, Any] | None) -> None:
-    """Re-attach a checkpoint's online rotations (the manifest's ``transforms.online``) to a loaded model."""
+    """Re-attach a checkpoint's online rotations (the manifest's ``transforms.online``) to a loaded model: a module's
+    input (``side: input``, r4's :class:`~.online_r4.OnlineInputRotation`) or both sides (:class:`OnlineRotation`)."""
     for module_name, spec in (online or {}).items():
-        OnlineRotation(model.get_submodule(module_name), rotation(spec["size"], spec["kind"], spec["seed"]))
+        module = model.get_submodule(module_name)
+        if spec.get("side") == "input":
+            OnlineInputRotation(module, spec)
+        else:
+            OnlineRotation(module, rotation(spec["size"], spec["kind"], spec["seed"]))
 
 
 class Rotate(Transform):
