@@ -175,14 +175,31 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, b)
 
 
+def _kernel(n: int, p: int, b: int, dtype: torch.dtype) -> bool:
+    """Whether a CUDA input takes the Triton kernel: triton installed, ``QRECOVER_KERNELS`` not ``0``, and the sizes
+    served in this dtype (fp16/bf16: :func:`qrecover.kernels.fwht.supported`)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("QRECOVER_KERNELS", "auto") == "0" or importlib.util.find_spec("triton") is None:
+        return False
+    from ..kernels import fwht as kernel
+
+    return kernel.supported(n, p, b, dtype)
+
+
 def rotate(x: torch.Tensor, n: int, kind: str, seed: int) -> torch.Tensor:
     """``x @ rotation(n, kind, seed)`` for rows ``x (..., n)``, in ``x``'s dtype: for ``fwht`` the signs, ``log2 b``
-    butterfly stages and one ``p x p`` product (the torch reference of the online transform); otherwise the
-    dense product."""
+    butterfly stages and one ``p x p`` product (the torch reference of the online transform; a CUDA input takes the
+    Triton kernel of :mod:`qrecover.kernels.fwht` where it serves the size); otherwise the dense product."""
     if kind != "fwht":
         return x @ rotation(n, kind, seed).to(x.device, x.dtype)
     s, small = _fwht_parts(n, seed)
     p, b = fast_factors(n)
+    if x.is_cuda and _kernel(n, p, b, x.dtype):  # one Triton kernel per call (qrecover.kernels.fwht)
+        from ..kernels import fwht as kernel
+
+        return kernel.rotate_rows(x, s, _small(p), p, b)
     y = fwht((x * s.to(x.device, x.dtype)).reshape(*x.shape[:-1], p, b))
     y = torch.einsum("...kl,ki->...il", y, small.to(x.device, x.dtype))
     return y.reshape(x.shape)
