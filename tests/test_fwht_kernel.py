@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qrecover import kernels
-from qrecover.transforms.hadamard import _fwht_parts, _small, fast_factors, rotate, rotation
+from qrecover.transforms.hadamard import _fwht_parts, fast_factors, kernel_factor, rotate, rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,12 +40,12 @@ def test_kernel_matches_the_dense_rotation(fwht, n, rows, dtype):
     x = torch.randn(rows, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     want = x @ rotation(n, "fwht", 2000)
     s, _ = _fwht_parts(n, 2000)
-    got = fwht.rotate_rows(x.to(DEV, dtype), s, _small(p), p, b)
+    got = fwht.rotate_rows(x.to(DEV, dtype), s, kernel_factor(n, DEV))
     assert got.dtype == dtype and got.shape == x.shape
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2  # the intermediate's and the stored result's rounding
     assert float((got.double().cpu() - want).abs().max() / want.abs().max()) < tol
     lead = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(1))  # leading dimensions kept
-    got = fwht.rotate_rows(lead.to(DEV, dtype), s, _small(p), p, b).cpu().double()
+    got = fwht.rotate_rows(lead.to(DEV, dtype), s, kernel_factor(n, DEV)).cpu().double()
     want = rotate(lead.double(), n, "fwht", 2000)
     assert float((got - want).abs().max() / want.abs().max()) < tol
 

@@ -20,7 +20,6 @@ and :func:`qrecover.transforms.hadamard.rotate` keeps the torch reference otherw
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import triton
@@ -69,26 +68,16 @@ def supported(n: int, p: int, b: int, dtype: torch.dtype = torch.float16) -> boo
     return dtype in (torch.float16, torch.bfloat16) and B >= 16 and max(16, triton.next_power_of_2(P)) <= MAX_P
 
 
-@lru_cache(maxsize=32)
-def _operands(small: tuple, n: int, p: int, b: int, device: str) -> torch.Tensor:
-    """``A (P, P)`` (float32; rounded to the input dtype in the kernel): the Paley factor (``small``, flattened)
-    times Sylvester's ``b / B``, over ``sqrt(n)``."""
-    from ..transforms.hadamard import _sylvester  # (the transforms package imports this module only when it runs)
-
-    P, B = split(n, p, b)
-    a = torch.tensor(small, dtype=torch.float64).view(p, p)
-    return (torch.kron(a, _sylvester(b // B)) / math.sqrt(n)).to(device, torch.float32).contiguous()
-
-
-def rotate_rows(x: torch.Tensor, signs: torch.Tensor, small: torch.Tensor, p: int, b: int) -> torch.Tensor:
-    """``x (..., n) @ diag(signs) (small (x) H_b) / sqrt(n)`` by the kernel; ``small (p, p)`` unscaled (+-1 entries)."""
-    n = x.shape[-1]
-    P, B = split(n, p, b)
+def rotate_rows(x: torch.Tensor, signs: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x (..., n) @ diag(signs) (a (x) H_B)`` by the kernel, ``(P, B) = split(...)``: ``a (P, P)`` float32 on
+    ``x``'s device (:func:`qrecover.transforms.hadamard.rotate` builds it: the Paley factor times Sylvester's
+    ``b / B``, over ``sqrt(n)``), ``signs (n,)``."""
+    n, P = x.shape[-1], a.shape[0]
+    B = n // P
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty_like(rows)
-    a = _operands(tuple(small.flatten().tolist()), n, p, b, str(x.device))
     s = signs.to(x.device, torch.float32).contiguous()
     if rows.shape[0]:
         p_pad = max(16, triton.next_power_of_2(P))

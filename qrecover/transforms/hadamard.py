@@ -28,7 +28,9 @@ of order 12, 20, 28, ... times a power of two); here the small factors are const
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from functools import lru_cache
 
 import torch
@@ -178,14 +180,22 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 def _kernel(n: int, p: int, b: int, dtype: torch.dtype) -> bool:
     """Whether a CUDA input takes the Triton kernel: triton installed, ``QRECOVER_KERNELS`` not ``0``, and the sizes
     served in this dtype (fp16/bf16: :func:`qrecover.kernels.fwht.supported`)."""
-    import importlib.util
-    import os
-
     if os.environ.get("QRECOVER_KERNELS", "auto") == "0" or importlib.util.find_spec("triton") is None:
         return False
-    from ..kernels import fwht as kernel
+    from ..kernels import fwht as kernel  # here: triton is optional
 
     return kernel.supported(n, p, b, dtype)
+
+
+@lru_cache(maxsize=32)
+def kernel_factor(n: int, device: str) -> torch.Tensor:
+    """The kernel's ``A (P, P)`` float32 on ``device`` (:func:`qrecover.kernels.fwht.rotate_rows`): the ``fwht``
+    rotation's Paley factor times Sylvester's order ``b / B``, over ``sqrt(n)`` (``B = min(b, 128)``)."""
+    from ..kernels.fwht import split  # here: triton is optional
+
+    p, b = fast_factors(n)
+    _, B = split(n, p, b)
+    return (torch.kron(_small(p), _sylvester(b // B)) / math.sqrt(n)).to(device, torch.float32).contiguous()
 
 
 def rotate(x: torch.Tensor, n: int, kind: str, seed: int) -> torch.Tensor:
@@ -196,10 +206,10 @@ def rotate(x: torch.Tensor, n: int, kind: str, seed: int) -> torch.Tensor:
         return x @ rotation(n, kind, seed).to(x.device, x.dtype)
     s, small = _fwht_parts(n, seed)
     p, b = fast_factors(n)
-    if x.is_cuda and _kernel(n, p, b, x.dtype):  # one Triton kernel per call (qrecover.kernels.fwht)
-        from ..kernels import fwht as kernel
+    if x.is_cuda and _kernel(n, p, b, x.dtype):
+        from ..kernels import fwht as kernel  # here: triton is optional, and only a CUDA input needs it
 
-        return kernel.rotate_rows(x, s, _small(p), p, b)
+        return kernel.rotate_rows(x, s, kernel_factor(n, str(x.device)))
     y = fwht((x * s.to(x.device, x.dtype)).reshape(*x.shape[:-1], p, b))
     y = torch.einsum("...kl,ki->...il", y, small.to(x.device, x.dtype))
     return y.reshape(x.shape)
