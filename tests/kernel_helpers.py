@@ -25,7 +25,8 @@ def interpreted_kernels():
     old = os.environ.get("TRITON_INTERPRET")
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("qrecover.kernels.gemv", "qrecover.kernels.qmatmul", "qrecover.kernels.multi_adapter_kernels"):
+    for name in ("qrecover.kernels.gemv", "qrecover.kernels.qmm_dot", "qrecover.kernels.qmatmul",
+                 "qrecover.kernels.multi_adapter_kernels"):  # (in import order: each reads the ones before)
         if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
             importlib.reload(sys.modules[name])
     qmatmul = importlib.import_module("qrecover.kernels.qmatmul")

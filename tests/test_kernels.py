@@ -140,7 +140,9 @@ def test_kernels_compile_for_h100_without_a_gpu():
                        text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "registers" not in line]
-    assert len(rows) == 7 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout  # 4 kernels + 3 small
+    assert len(rows) == 11 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout  # 5 kernels + 3 small + 3 r4
+    r4 = [row for row in rows if row.startswith("| r4 rotation 1536")]
+    assert len(r4) == 1 and int(r4[0].split("|")[3]) == 0, r.stdout  # the default model's size: no spills
 
 
 # --- dispatch: a pure decision, no triton needed ---------------------------------------------------------

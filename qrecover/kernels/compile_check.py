@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import gemv, isa, multi_adapter_kernels, qmatmul
+from . import fwht, gemv, isa, multi_adapter_kernels, qmatmul, qmm_dot
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -122,6 +122,37 @@ def gemv_variants(level: str):
                 yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
 
 
+def dot_variants(level: str):
+    """``(label, signature, constexprs, options)`` for the batch 5-64 decode-and-dot kernel (:mod:`.qmm_dot`): the
+    tuner's tiles for batch 16 (16x64x64, 16x64x128) and 64 (64x128x64), one stage (words prefetched by hand)."""
+    dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
+    formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_PAIRS),
+               (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
+               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
+    if level != "all":
+        formats = [f for f in formats if f[:3] in ((0, 3, False), (0, 4, False), (1, 4, False), (1, 3, True))]
+    tiles = [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1), (64, 128, 64, 8, 1)]
+    if level == "smoke":
+        formats, tiles = formats[:1], tiles[:1]
+    for dt in dtypes:
+        for scheme, bits, zp, lut in formats:
+            # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
+            asms = (False, True) if scheme == 0 and lut and bits != 3 else (False,)
+            for (bm, bn, bk, warps, stages), asm in [(t, a) for t in tiles for a in asms]:
+                lut_t = ("*fp16", "*fp32", "*i64")[lut] if scheme == 0 else "*fp16"
+                sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
+                       "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
+                       **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
+                                              "stride_xm", "stride_om", "stride_os")}}
+                const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
+                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, IEEE=dt == "fp32", ASM=asm,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
+                lut_name = ("", " fp32-lut", " pair-lut")[lut] if scheme == 0 else ""
+                yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const,
+                       dict(num_warps=warps, num_stages=stages))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (80 = A100, 90 = H100/H200)")
@@ -143,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
     level = "all" if args.all else "smoke" if args.smoke else "default"
-    variants = [(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level)]
+    variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level)]
+                + [(qmm_dot._dot_decode_kernel, *v) for v in dot_variants(level)])
     for fn, label, sig, const, opts in variants:
         kernel = _compile(fn, sig, const, target, **opts)
         r = resources(kernel)
@@ -167,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         ("lora expand r16", multi_adapter_kernels._expand_kernel,
          {"t_ptr": "*fp32", "b_ptr": "*fp16", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
           **{k: "i32" for k in ("N", "R", "stride_bn", "stride_bo", "stride_ym")}}, dict(R_PAD=16, BLOCK_N=128)),
+        *[(f"r4 rotation {n} ({P} x {B}) {dt}", fwht._fwht_rows,
+           {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},
+           dict(P=P, P_PAD=max(16, triton.next_power_of_2(P)), B=B, LOG_B=B.bit_length() - 1, FP32_DOT=False), 4 if P <= 16 else 8)
+          for n, P, B, dt in ((1536, 12, 128, "fp16"), (14336, 112, 128, "fp16"), (4096, 32, 128, "bf16"))],
     ]
-    for label, fn, sig, const in others:
-        r = resources(_compile(fn, sig, const, target))
+    for label, fn, sig, const, *warps in others:
+        r = resources(_compile(fn, sig, const, target, **({"num_warps": warps[0]} if warps else {})))
         print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
     return 0
 

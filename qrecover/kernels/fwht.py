@@ -83,7 +83,7 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, a: torch.Tensor) -> torch.
         p_pad = max(16, triton.next_power_of_2(P))
         _fwht_rows[(rows.shape[0],)](rows, s, a, out, rows.stride(0), out.stride(0), P=P, P_PAD=p_pad, B=B,
                                      LOG_B=int(math.log2(B)), FP32_DOT=x.device.type != "cuda",
-                                     num_warps=8 if p_pad >= 64 else 4)
+                                     num_warps=4 if p_pad <= 16 else 8)
     return out.view(x.shape)
 
 

@@ -30,6 +30,9 @@ Two paths share one kernel body (``USE_DOT`` is a compile-time switch):
 - tiled (``M > 16``): ``tl.dot`` tiles of ``BLOCK_M x BLOCK_N``, weights cast to the activation dtype
   (fp16/bf16 tensor cores; fp32 activations use ``input_precision="ieee"``, as torch does by default).
 
+Batch 1-4 runs the decode kernel (:mod:`.gemv`); batch 5-64 (fp16/bf16) is also offered :mod:`.qmm_dot`'s kernel
+(:class:`DotDecode` configs: gemv's decode feeding a ``tl.dot``), timed beside this kernel's configs.
+
 Block sizes are tuned per (format, shape, batch bucket, dtype) on first use with ``triton.testing.do_bench``
 over a small config list and cached in :data:`_TUNED` (not ``triton.autotune``: the split-K workspace and its
 reduction depend on the chosen config, which ``autotune`` hides from the caller). Under the interpreter
@@ -49,9 +52,10 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import gemv
+from . import gemv, qmm_dot
 from .formats import Config, Format
 from .gemv import interpreting  # re-exported: qmatmul.interpreting() is the kernels' check
+from .qmm_dot import DotDecode
 
 # ------------------------------------------------------------------------------------------- kernels
 
@@ -210,7 +214,28 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
                 if bk in ks:
                     out += [Config(bm, bn, bk, s, True, warps, stages) for s in (1, 2)]
         out = out or [Config(16, 64, ks[-1], 1, True)]
+    if m <= 64:  # the decode-and-dot kernel (qmm_dot.py) first, then the two kinds in turn
+        dec = _dot_decode_configs(fmt, m, ks)
+        out = [c for i in range(max(len(dec), len(out))) for c in dec[i:i + 1] + out[i:i + 1]]
     return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
+
+
+def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
+    """Batch 5-64 candidates of :mod:`.qmm_dot` (a weight tile decoded once for ``BLOCK_M`` rows), split-K sized to
+    fill the SMs twice over; ``num_stages=1``: the words are prefetched by hand, and the pipeliner would route the
+    table look-ups through shared memory (``compile_check --isa``)."""
+    bm = min(_pow2_at_least(m), 64) if m > 16 else 16
+    tiles = ((64, 64, 4), (64, 128, 4), (128, 64, 8)) if m <= 16 else ((128, 64, 8), (64, 64, 4), (64, 128, 4))
+    shapes = [(bn, bk, w) for bn, bk, w in tiles if bk in ks] or [(64, ks[0], 4)]
+    # inline-PTX table loads for 2/4/8-bit palettize (fewer instructions); 3-bit words read plainly (more instructions with them)
+    asm = fmt.scheme == 0 and fmt.bits != 3 and gemv.lut_mode(fmt) != gemv.LUT_FP16
+
+    def fill(bn: int, bk: int) -> int:
+        tiles = -(-fmt.out_f // bn) * -(-m // bm)
+        s = _pow2_at_least(max(min(-(-2 * SMS // tiles), fmt.in_f // bk), 1))
+        return s if s * bk <= fmt.in_f else s // 2
+
+    return [DotDecode(bm, bn, bk, fill(bn, bk), True, w, 1, asm=asm) for bn, bk, w in shapes]
 
 
 def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
@@ -274,11 +299,16 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
     direct = split == 1
     target = out if direct else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-    if not cfg.use_dot:  # batch <= 4: the decode kernel (gemv.py)
+    if not cfg.use_dot or isinstance(cfg, DotDecode):  # the decode kernels (gemv.py, qmm_dot.py)
         if fmt.scheme == 0:
             lut = tensors.get("lut_kernel" if cfg.lut < 0 else f"lut_kernel_{cfg.lut}")
             lut = gemv.kernel_tables(fmt, tensors["lut"], None if cfg.lut < 0 else cfg.lut) if lut is None else lut
-        gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
+        if not cfg.use_dot:
+            gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
+        else:
+            mode = (gemv.lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else gemv.LUT_FP16
+            lut = lut.view(torch.int64) if mode == gemv.LUT_PAIRS else lut
+            qmm_dot.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, mode, _ieee_dot(x.dtype))
     else:
         _qmm_kernel[grid](
             x, qw, lut, scale, zp, bias if bias is not None else dummy, target,

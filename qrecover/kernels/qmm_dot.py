@@ -1,0 +1,144 @@
+"""Batch 5-64 of the fused dequant-matmul: the decode kernel's weight decode feeding a tensor-core ``tl.dot``.
+
+The decode of a weight tile does not depend on the batch, so a tile decoded once serves ``BLOCK_M`` activation rows
+through ``tl.dot``. The tile is decoded as in :mod:`.gemv` (batch 1-4): an unrolled walk over a word's code
+positions, so every shift and mask is a compile-time constant (no position tensors, no ``tl.gather``); palettize
+tables read per weight from L1 (fp32 singles or the stored fp16) or per *two* weights from the fp32 pair tables (one
+64-bit load; 2/3/4-bit, 3-bit as 6-bit fields of a 96-bit group); ``ASM``: tables and the strided 3-bit words read
+through inline PTX (``ld.global.nc``); the next tile's words prefetched. The per-position values ``(BN, NW)`` are
+joined (``tl.join``, in-thread) into the tile ``(BN, NW, CPG)`` and reshaped to ``(BN, BLOCK_K)`` in column order.
+Blockwise: ``(c - z) * s`` with the code made a float through its bits (exact), as the reference rounds it.
+
+Selected by a :class:`DotDecode` config (the tuner times it beside the shared kernel's configs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .formats import Config
+from .gemv import _bits_at, _load_words, _lut_load
+
+
+@dataclass(frozen=True)
+class DotDecode(Config):
+    """A batch 5+ config run by :func:`_dot_decode_kernel` (``use_dot`` is True; ``lut``, ``asm`` as in
+    :mod:`.gemv`: the palettize table layout, -1 its default, and inline-PTX loads)."""
+
+
+@triton.jit
+def _leaf(w0, w1, w2, tab, P: tl.constexpr, SCHEME: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr,
+          ASM: tl.constexpr):
+    """fp32 values of code positions ``P`` and ``P + 1`` of each word group, joined: ``(BN, NW, 2)``; ``tab (BN,)``:
+    each row's table (palettize)."""
+    if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code P in the low half)
+        idx = _bits_at(w0, w1, w2, BITS * P, 2 * BITS)
+        p = _lut_load(tab[:, None] + idx, ASM, True)
+        va = p.to(tl.int32).to(tl.float32, bitcast=True)
+        vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        ca = _bits_at(w0, w1, w2, BITS * P, BITS)
+        cb = _bits_at(w0, w1, w2, BITS * (P + 1), BITS)
+        if SCHEME == 0:
+            ta = tab[:, None]
+            if LUT == 1:
+                va = _lut_load(ta + ca, ASM, False)
+                vb = _lut_load(ta + cb, ASM, False)
+            else:
+                va = tl.load(ta + ca).to(tl.float32)
+                vb = tl.load(ta + cb).to(tl.float32)
+        else:  # the code as a float through its bits (2**23 + c), exact
+            va = (ca | 0x4B000000).to(tl.float32, bitcast=True)
+            vb = (cb | 0x4B000000).to(tl.float32, bitcast=True)
+    return tl.join(va, vb)
+
+
+@triton.jit
+def _span(w0, w1, w2, tab, P: tl.constexpr, COUNT: tl.constexpr, SCHEME: tl.constexpr,
+          BITS: tl.constexpr, LUT: tl.constexpr, ASM: tl.constexpr):
+    """Values of code positions ``P .. P + COUNT`` of each word group, ``(BN, NW, COUNT)`` in position order (the
+    halves joined, then the new axis moved in front of the half's positions: in-thread, no data movement)."""
+    if COUNT == 2:
+        return _leaf(w0, w1, w2, tab, P, SCHEME, BITS, LUT, ASM)
+    else:
+        a = _span(w0, w1, w2, tab, P, COUNT // 2, SCHEME, BITS, LUT, ASM)
+        b = _span(w0, w1, w2, tab, P + COUNT // 2, COUNT // 2, SCHEME, BITS, LUT, ASM)
+        j = tl.permute(tl.join(a, b), (0, 1, 3, 2))
+        return tl.reshape(j, (j.shape[0], j.shape[1], COUNT))
+
+
+@triton.jit
+def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks,
+                       zp_nbytes, k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr,
+                       GROUP: tl.constexpr, CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       LUT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(n, m, s)``: output tile ``(BLOCK_M, BLOCK_N)`` over input columns ``[s*k_split, (s+1)*k_split)``;
+    ``DIRECT``: ``acc + bias`` in the output dtype, else fp32 partial sums to ``out_ptr[s]`` (split-K)."""
+    WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
+    CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
+    NW: tl.constexpr = BLOCK_K // CPG
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = tl.minimum(rows, N - 1).to(tl.int64)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    xrow = tl.minimum(ms, M - 1).to(tl.int64) * stride_xm
+    row_word = rows64 * row_words
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = tl.program_id(2) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
+        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM)
+        cb = k0 // CBLOCK
+        tab = lut_ptr + ((rows64 // GROUP) * n_cblocks + cb) * (1 << (2 * BITS if LUT == 2 else BITS))  # row tables
+        w = tl.reshape(_span(w0, w1, w2, tab, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
+        if SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
+            blk = rows64 * n_cblocks + cb
+            scale = tl.load(scale_ptr + blk).to(tl.float32)
+            if HAS_ZP:
+                zbit = blk * BITS
+                zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
+                zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
+                zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
+            else:
+                zp = tl.zeros_like(scale) + (1 << (BITS - 1))
+            w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
+        x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        w0, w1, w2 = n0, n1, n2
+    mask = (ms < M)[:, None] & (rows < N)[None, :]
+    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows64).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offs, acc, mask=mask)
+
+
+def interpreting() -> bool:
+    """True when this module's kernel was built for triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return isinstance(_dot_decode_kernel, InterpretedFunction)
+
+
+def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[int, int, int], cfg: DotDecode,
+           mode: int, ieee: bool) -> None:
+    """Run :func:`_dot_decode_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
+    ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view)."""
+    m, k = x.shape
+    _dot_decode_kernel[grid](
+        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k, k * fmt.bits // 32,
+        k // fmt.cblock, zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), fmt.out_f, m * fmt.out_f,
+        SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
+        HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, IEEE=ieee, ASM=cfg.asm and not interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
