@@ -127,9 +127,12 @@ ROWS: dict[str, dict] = {
     "rot-rtn-w4g64": {"kind": "qrecover", "encodings": "rot+blockwise:4/b64/asym"},
     "rot-palettize-4": {"kind": "qrecover", "encodings": "rot+palettize:4"},
     "rot-palettize-3": {"kind": "qrecover", "encodings": "rot+palettize:3"},
+    "rotr4-palettize-3": {"kind": "qrecover", "encodings": "rot+r4+palettize:3"},
     # online R4 (qrecover.transforms.online_r4): down_proj's input rotated at run time, its weight's rows fused
     "rotr4-gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "rot+r4+gptq:3/g64/asym/act_order=true"},
     "r4-gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "r4+gptq:3/g64/asym/act_order=true"},
+    "rotr4-mixed-blocks-3.7": {"kind": "qrecover", "encodings": "rot+r4+" + PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
+                               "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "gptq-w2g64-actorder": {"kind": "qrecover", "encodings": "gptq:2/g64/asym/act_order=true"},
     "rot-gptq-w2g64-actorder": {"kind": "qrecover", "encodings": "rot+gptq:2/g64/asym/act_order=true"},
 }
