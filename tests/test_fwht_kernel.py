@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qrecover import kernels
-from qrecover.transforms.hadamard import _fwht_parts, fast_factors, kernel_factor, rotate, rotation
+from qrecover.transforms.hadamard import fast_factors, fwht_operands, kernel_factor, rotate, rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,7 +39,7 @@ def test_kernel_matches_the_dense_rotation(fwht, n, rows, dtype):
     assert fwht.supported(n, p, b)
     x = torch.randn(rows, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     want = x @ rotation(n, "fwht", 2000)
-    s, _ = _fwht_parts(n, 2000)
+    s, _ = fwht_operands(n, 2000, DEV, torch.float32)
     got = fwht.rotate_rows(x.to(DEV, dtype), s, kernel_factor(n, DEV))
     assert got.dtype == dtype and got.shape == x.shape
     tol = 2e-3 if dtype == torch.float16 else 1.5e-2  # the intermediate's and the stored result's rounding

@@ -78,7 +78,7 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, a: torch.Tensor) -> torch.
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty_like(rows)
-    s = signs.to(x.device, torch.float32).contiguous()
+    s = signs.to(x.device, torch.float32)  # (a no-op for the cached float32 signs hadamard.rotate passes)
     if rows.shape[0]:
         p_pad = max(16, triton.next_power_of_2(P))
         _fwht_rows[(rows.shape[0],)](rows, s, a, out, rows.stride(0), out.stride(0), P=P, P_PAD=p_pad, B=B,

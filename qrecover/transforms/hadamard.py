@@ -157,11 +157,13 @@ def _small(p: int) -> torch.Tensor:
     return torch.ones(1, 1, dtype=torch.float64) if p == 1 else _paley(*paley_orders()[p])
 
 
-@lru_cache(maxsize=32)
-def _fwht_parts(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``fwht`` rotation's signs ``(n,)`` and small factor ``(p, p)`` scaled by ``1 / sqrt(n)`` (float64)."""
+@lru_cache(maxsize=64)
+def fwht_operands(n: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``fwht`` rotation's signs ``(n,)`` and small factor ``(p, p)`` over ``sqrt(n)``, in ``dtype`` on ``device``
+    (cached: an online rotation copies nothing to the device per call, so it can run inside a CUDA graph)."""
     p, _ = fast_factors(n)
-    return _signs(n, torch.Generator().manual_seed(int(seed))), _small(p) / math.sqrt(n)
+    s = _signs(n, torch.Generator().manual_seed(int(seed)))
+    return s.to(device, dtype), (_small(p) / math.sqrt(n)).to(device, dtype)
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -204,15 +206,16 @@ def rotate(x: torch.Tensor, n: int, kind: str, seed: int) -> torch.Tensor:
     Triton kernel of :mod:`qrecover.kernels.fwht` where it serves the size); otherwise the dense product."""
     if kind != "fwht":
         return x @ rotation(n, kind, seed).to(x.device, x.dtype)
-    s, small = _fwht_parts(n, seed)
     p, b = fast_factors(n)
     if x.is_cuda and _kernel(n, p, b, x.dtype):
         from ..kernels import fwht as kernel  # here: triton is optional, and only a CUDA input needs it
 
-        return kernel.rotate_rows(x, s, kernel_factor(n, str(x.device)))
-    y = fwht((x * s.to(x.device, x.dtype)).reshape(*x.shape[:-1], p, b))
-    y = torch.einsum("...kl,ki->...il", y, small.to(x.device, x.dtype))
+        return kernel.rotate_rows(x, fwht_operands(n, seed, str(x.device), torch.float32)[0], kernel_factor(n, str(x.device)))
+    s, small = fwht_operands(n, seed, str(x.device), x.dtype)
+    y = fwht((x * s).reshape(*x.shape[:-1], p, b))
+    y = torch.einsum("...kl,ki->...il", y, small)
     return y.reshape(x.shape)
 
 
-__all__ = ["KINDS", "factors", "fast_factors", "fwht", "hadamard", "paley_orders", "rotate", "rotation"]
+__all__ = ["KINDS", "factors", "fast_factors", "fwht", "fwht_operands", "hadamard", "kernel_factor", "paley_orders", "rotate",
+           "rotation"]
