@@ -9,9 +9,8 @@ import copy
 
 import pytest
 import torch
-import transformers as T
 from cli_helpers import run as cli
-from test_rotate import ARCHS, BASE, _model, _rel
+from test_rotate import ARCHS, BASE, _model, _rel, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
 from qrecover.api import compress, load, prepare
 from qrecover.config import CompressConfig
@@ -78,20 +77,7 @@ def test_online_input_rotation_hook():
     assert torch.allclose(lin(x), want, atol=1e-12)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from qrecover.models import default_model_dir
-
-    d = tmp_path_factory.mktemp("tiny")
-    model = _model(T.LlamaConfig, dict(tie_word_embeddings=True, vocab_size=49152, hidden_size=64, head_dim=16), dtype=torch.float32)
-    model.save_pretrained(d)
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(d)
-    return d
-
-
-def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(tmp_path, tiny_dir, capsys):
+def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(tmp_path, tiny_dir, capsys):  # noqa: F811
     cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+r4+gptq:4/g16", embedding_bits="8",
                          calib_samples=2, seq_len=32)
     prepared = prepare(cfg, show_progress=False, lazy=False)

@@ -124,6 +124,36 @@ def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: 
 
 
 @triton.jit
+def _scale_zero(scale_ptr, zp_ptr, blk, zp_nbytes, BITS: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Blockwise: fp32 ``(scale, zero point)`` of blocks ``blk``; zero points bit-packed (``BITS`` each) or the constant
+    ``2**(BITS - 1)`` (symmetric)."""
+    scale = tl.load(scale_ptr + blk).to(tl.float32)
+    if HAS_ZP:
+        zbit = blk * BITS
+        zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
+        zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
+        zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        zp = tl.zeros_like(scale) + (1 << (BITS - 1))
+    return scale, zp
+
+
+@triton.jit
+def _store_tile(y, out_ptr, bias_ptr, ms, rows, bias_rows, M, N, stride_om, stride_os, split, DIRECT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Store the fp32 tile ``y (BM, BN)`` of rows ``ms`` and outputs ``rows``: with the bias and in the output's dtype
+    (``DIRECT``), or as split ``split``'s partial sums into the fp32 workspace (the split-K reduction adds the bias)."""
+    mask = (ms < M)[:, None] & (rows < N)[None, :]
+    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + bias_rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + offs, y, mask=mask)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks, zp_nbytes,
                  k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, DIRECT: tl.constexpr,
@@ -167,26 +197,11 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
         if SCHEME == 0:
             acc += part
         else:  # s * (sum x c - z sum x), per word: the tile lies in one block
-            blk = rows64 * n_cblocks + cb
-            scale = tl.load(scale_ptr + blk).to(tl.float32)
-            if HAS_ZP:
-                zbit = blk * BITS
-                zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
-                zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
-                zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
-            else:
-                zp = tl.zeros_like(scale) + (1 << (BITS - 1))
+            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             acc += scale[None, :, None] * (part - zp[None, :, None] * sx[:, None, :])
         w0, w1, w2 = n0, n1, n2
-    y = tl.sum(acc, axis=2)
-    mask = (ms < M)[:, None] & (rows < N)[None, :]
-    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows64).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offs, y, mask=mask)
+    _store_tile(tl.sum(acc, axis=2), out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2),
+                DIRECT, HAS_BIAS)
 
 
 def lut_mode(fmt: Format) -> int:

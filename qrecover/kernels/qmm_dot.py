@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _bits_at, _load_words, _lut_load
+from .gemv import _bits_at, _load_words, _lut_load, _scale_zero, _store_tile
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,7 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
         tab = lut_ptr + ((rows64 // GROUP) * n_cblocks + cb) * (1 << (2 * BITS if LUT == 2 else BITS))  # row tables
         w = tl.reshape(_span(w0, w1, w2, tab, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
         if SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
-            blk = rows64 * n_cblocks + cb
-            scale = tl.load(scale_ptr + blk).to(tl.float32)
-            if HAS_ZP:
-                zbit = blk * BITS
-                zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
-                zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
-                zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
-            else:
-                zp = tl.zeros_like(scale) + (1 << (BITS - 1))
+            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
         x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
         if IEEE:
@@ -114,14 +106,7 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         w0, w1, w2 = n0, n1, n2
-    mask = (ms < M)[:, None] & (rows < N)[None, :]
-    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows64).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_os + offs, acc, mask=mask)
+    _store_tile(acc, out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2), DIRECT, HAS_BIAS)
 
 
 def interpreting() -> bool:
