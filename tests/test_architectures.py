@@ -360,7 +360,8 @@ def test_calibration_of_experts_no_token_was_routed_to():
     group in finalize's order, and gets its peers' mean output-gradient moments (not zero damage)."""
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from qrecover.calibrate import _fill_experts, layer_stats, linear_groups
+    from qrecover.calibrate import layer_stats, linear_groups
+    from qrecover.grad_pass import _fill_experts
     from qrecover.models import linear_layers
     from qrecover.moe import UnfusedExperts
 
