@@ -179,10 +179,15 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, b)
 
 
+@lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _kernel(n: int, p: int, b: int, dtype: torch.dtype) -> bool:
     """Whether a CUDA input takes the Triton kernel: triton installed, ``QRECOVER_KERNELS`` not ``0``, and the sizes
     served in this dtype (fp16/bf16: :func:`qrecover.kernels.fwht.supported`)."""
-    if os.environ.get("QRECOVER_KERNELS", "auto") == "0" or importlib.util.find_spec("triton") is None:
+    if os.environ.get("QRECOVER_KERNELS", "auto") == "0" or not _has_triton():
         return False
     from ..kernels import fwht as kernel  # here: triton is optional
 

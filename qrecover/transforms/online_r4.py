@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..errors import QRecoverError
 from ..models import decoder_layers, module_name, resident
 from .base import Transform, register_transform
-from .hadamard import fast_factors, rotate, rotation
+from .hadamard import fast_factors, rotate
 
 SEED_R4 = 2000
 
@@ -70,14 +70,13 @@ class R4(Transform):
         downs = _down_projs(model)
         size = downs[0].in_features
         spec = {"size": size, "kind": self.kind, "seed": SEED_R4, "side": "input", "why": "r4: down_proj's input"}
-        r4 = rotation(size, self.kind, SEED_R4)
         online = {}
         for layer, down in zip(decoder_layers(model), downs):
             with resident(model, layer, device, keep=True):
                 if down.in_features != size:
                     raise QRecoverError(f"r4 needs one intermediate size; {module_name(model, down)} has {down.in_features}, "
                                         f"the first layer {size}: drop r4+ from --encodings")
-                down.weight.data.copy_((down.weight.detach().double() @ r4.to(down.weight.device)).to(down.weight.dtype))
+                down.weight.data.copy_(rotate(down.weight.detach().double(), size, self.kind, SEED_R4).to(down.weight.dtype))
             OnlineInputRotation(down, spec)
             online[module_name(model, down)] = dict(spec)
         return {"kind": self.kind, "r4": size, "online": online, "layers": len(downs)}
