@@ -64,6 +64,8 @@ class CompressConfig(DictConfig):
     # 32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw
     calib_samples: int = doc_field(32, "calibration windows")
     seq_len: int = doc_field(512, "tokens per calibration window")
+    grad_samples: int | None = doc_field(None, "windows of the gradient pass (the damage estimates' weights): the first N of the "
+                                               "calibration windows (default: all)")
     grad_precision: str = doc_field("fp32", "the calibration's gradient pass (the damage estimates' weights): 'fp32', 'bf16' "
                                     "(autocast: about 2x faster where the device computes bf16 natively) or 'auto' (bf16 there, "
                                     "else fp32)")
@@ -102,6 +104,8 @@ class CompressConfig(DictConfig):
         for name in ("calib_samples", "seq_len"):
             if getattr(self, name) <= 0:
                 raise QRecoverError(f"{name}={getattr(self, name)} must be positive")
+        if self.grad_samples is not None and not 1 <= self.grad_samples <= self.calib_samples:
+            raise QRecoverError(f"--grad-samples {self.grad_samples} must be between 1 and --calib-samples ({self.calib_samples})")
 
 
 __all__ = ["CompressConfig", "DEFAULT_ENCODINGS"]

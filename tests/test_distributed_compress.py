@@ -167,3 +167,40 @@ def test_ordered_sum_is_the_sequential_float64_sum():
     ids, rows = torch.tensor([3, 1, 3]), torch.randn(3, 4, dtype=torch.float64)
     acc.index_add("f", (5, 4), ids, rows)
     assert torch.equal(acc.reduce()["f"], torch.zeros(5, 4, dtype=torch.float64).index_add_(0, ids, rows))
+
+
+def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
+    """``qrecover compress --procs 2`` (no torchrun) runs 2 processes through torch's elastic launcher: rank 0's
+    report alone, the bytes of one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    compress(CompressConfig(model=str(tiny_model_dir), encodings=MENUS["gptq"], **RUN), out=one, show_progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, two, MENUS["gptq"]),
+                           "--procs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    report, end = json.JSONDecoder().raw_decode(proc.stdout.strip())
+    assert end == len(proc.stdout.strip()) and report["out"] == str(two)
+    assert _digests(one)["model.safetensors"] == _digests(two)["model.safetensors"]
+
+
+def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):
+    from qrecover.cli.launch import MIN_SPLIT_BYTES, auto_procs, float32_bytes, parse_procs, procs_for
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", "--model", str(tiny_model_dir), "--procs", "0",
+                           "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "--procs '0': give a number of processes >= 1, or auto" in proc.stderr
+    assert not (tmp_path / "o").exists()
+    assert parse_procs("auto") is None and parse_procs("3") == 3
+    gb = 2**30
+    assert auto_procs(MIN_SPLIT_BYTES - 1, 16, 100 * gb) == 1  # small model: the start-up outweighs the split
+    assert auto_procs(gb, 2, 100 * gb) == 2 and auto_procs(gb, 64, 1000 * gb) == 8  # a core each, at most 8
+    assert auto_procs(gb, 4, 20 * gb) == 2  # 8 bytes per float32 byte and process: 2 fit in 20 GB, not 3
+    assert auto_procs(gb, 4, 4 * gb) == 1
+    from safetensors import safe_open
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        numel = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                    else math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert float32_bytes(tiny_model_dir) == 4 * numel
+    assert procs_for("auto", str(tiny_model_dir), "cpu") == 1  # the tiny model is under the split size

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
 
 from ..errors import QRecoverError
+from .common import INVOKED
 from . import compress as _compress
 from . import data as _data
 from . import eval as _eval
@@ -42,14 +44,17 @@ app.add_typer(_data.app, name="data")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: bad input ends with its message and exit code 2, never a traceback."""
+    """Console entry point: bad input ends with its message and exit code 2, never a traceback (printed by rank 0
+    alone under a launch of several processes)."""
+    INVOKED[:] = sys.argv[1:] if argv is None else argv  # what --procs relaunches (qrecover.cli.launch)
     try:
         app(args=argv, prog_name="qrecover", standalone_mode=True)
     except QRecoverError as e:
         from rich.console import Console
         from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        if os.environ.get("RANK", "0") == "0":
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)

@@ -21,6 +21,11 @@ CalibDataOpt = typer.Option("python-docs", "--calib-data", help="Text: 'python-d
                             "or a data-mix recipe: 'calib-mix' (shipped: the docs' calib split + the model's own general chats) or a .toml file.")
 
 
+#: the arguments ``qrecover.cli.main`` was called with (``compress --procs`` relaunches them); empty when a command
+#: is invoked otherwise (typer's test runner, say)
+INVOKED: list[str] = []
+
+
 def emit_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1, default=str))
 

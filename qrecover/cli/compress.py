@@ -9,7 +9,7 @@ import typer
 
 from ..config import CompressConfig
 from ..errors import QRecoverError
-from .common import JsonOpt, console, emit_json, parse_ints
+from .common import INVOKED, JsonOpt, console, emit_json, parse_ints
 from .config_options import config_command
 
 EXAMPLES = """Examples:
@@ -32,6 +32,8 @@ EXAMPLES = """Examples:
   qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
 
   qrecover compress --bpw 3.7 --encodings quick      # the quick start: the default menu without table refits
+
+  qrecover compress --bpw 3.7 --procs 1              # one process (default on the CPU: one per core, same bytes)
 
   qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers
 
@@ -60,7 +62,7 @@ every layer's columns) is offered to those layers only.
 # scheme_params) and the CLI's own are CompressConfig fields (qrecover.cli.config_options): their defaults and help texts
 @config_command(CompressConfig, only=("model", "scope", "scheme", "embedding_bits", "encodings", "embedding_encodings",
                                       "finalize", "finalize_groups", "device", "allocation", "calib_data", "calib_samples",
-                                      "seq_len", "grad_precision"))
+                                      "seq_len", "grad_samples", "grad_precision"))
 def compress(
     bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw "
                                                             "a single --bits width gives a uniform model)."),
@@ -77,6 +79,9 @@ def compress(
                                                                                   "--scheme-param group_size=8 --scheme-param iters=50."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default: out/MODEL-BPWbpw)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists."),
+    procs: str = typer.Option("auto", "--procs", help="Processes on the CPU, one thread each, splitting the calibration windows and the "
+                                                      "candidates (torch's elastic launcher; the same bytes as one process): auto (one per "
+                                                      "core, as the memory allows; one for a model under 100 MB or on CUDA) or N."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Compress a model: calibrate, estimate each layer's sensitivity, allocate bits to the budget, pack, save."""
@@ -87,6 +92,11 @@ def compress(
     # the options are valid: now the heavy modules (torch, transformers; seconds to import)
     from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
     from ..distributed import join  # lazy: pulls torch
+    from .launch import procs_for, relaunch  # lazy: pulls torch
+
+    n = procs_for(procs, config["model"], config["device"])
+    if n > 1 and INVOKED:
+        relaunch(n, INVOKED)
 
     if out is None:
         out = _default_out(config["model"], cfg, config["encodings"])

@@ -221,6 +221,9 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     group = join()  # under torchrun: windows and candidates shared out, statistics reduced (qrecover.distributed)
     if cfg.calib_samples < group.size:
         raise QRecoverError(f"--calib-samples {cfg.calib_samples} is fewer than the {group.size} processes; give at least one window per process")
+    n_grad = cfg.calib_samples if cfg.grad_samples is None else cfg.grad_samples
+    if n_grad < group.size:
+        raise QRecoverError(f"--grad-samples {n_grad} is fewer than the {group.size} processes; give at least one window per process")
     device = resolve_device(cfg.device)
     model, tok, source = load_model(cfg.model, lazy=lazy)
     units, head_name = find_units(model, lin_encs, emb_all)
@@ -232,7 +235,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     tinfo = apply_transforms(model, windows, lin_encs + emb_unit.cands, device, show_progress)
     # stage calibrate: only what the candidates and the damage estimate need
     plan = plan_stats(lin_encs, emb_unit.cands, cfg.bpw is not None or any(len(u.cands) > 1 for u in units.values()))
-    grads = gradients(model, windows, plan, device, show_progress, group, cfg.grad_precision)
+    grads = gradients(model, windows[:n_grad], plan, device, show_progress, group, cfg.grad_precision)
 
     # stage candidates, layer by layer (one decoder layer's statistics at a time)
     def on_layer(_i: int, _layer: nn.Module, stats: dict) -> None:
@@ -258,7 +261,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
     quantized = {f"{n}.weight" for n in units} | ({f"{head_name}.weight"} if emb_unit.tied else set())
     remainder = state_tensors(model, [k for k in model.state_dict() if k not in quantized])  # after the transform
     calibration = {"source": cfg.calib_data, "split": "calib", "windows": cfg.calib_samples, "seq_len": cfg.seq_len,
-                   "tokens": int(windows.numel()), "loss": grads["loss"] if grads is not None else None,
+                   "tokens": int(windows.numel()), "gradient_windows": n_grad, "loss": grads["loss"] if grads is not None else None,
                    "computed": {"layer_stats": sorted(plan.layer), "gradients": plan.gradients, "damage": plan.damage},
                    "device": str(device)}
     params = {"model": count_parameters(model), "linear": sum(u.module.weight.numel() for u in linears.values())}
@@ -283,7 +286,7 @@ def _quantize_embeddings(units: dict[str, Unit], grads: dict | None, damage: boo
         bar.advance(task)
 
 
-_SAME = ("model", "calib_data", "calib_samples", "seq_len")
+_SAME = ("model", "calib_data", "calib_samples", "seq_len", "grad_samples")
 
 
 def check_reusable(p: Prepared, cfg: CompressConfig, lin_encs: list[Encoding], emb_encs: list[Encoding]) -> list[Encoding]:
