@@ -8,7 +8,6 @@ import sys
 import typer
 
 from ..errors import QRecoverError
-from .common import INVOKED
 from . import compress as _compress
 from . import data as _data
 from . import eval as _eval
@@ -21,6 +20,7 @@ from . import ppl as _ppl
 from . import recover as _recover
 from . import report as _report
 from . import tune as _tune
+from .common import INVOKED
 
 app = typer.Typer(
     name="qrecover",
