@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adapters.lora import adapter_summary, check_base, peft_from_pretrained
 from .checkpoint import read_packed
 from .errors import QRecoverError
 from .models import load_model, resolve
@@ -24,6 +23,14 @@ from .qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from .transforms.rotate import attach_online
 
 __all__ = ["load", "load_any", "attach_adapter", "check_base"]
+
+
+def check_base(adapter: str | Path, path: str | Path, allow_foreign: bool = False) -> dict[str, Any] | None:
+    """:func:`qrecover.adapters.lora.check_base` (imported when called: peft takes seconds to import, and loading a
+    checkpoint without an adapter, or compressing, never needs it)."""
+    from .adapters.lora import check_base as check
+
+    return check(adapter, path, allow_foreign)
 
 
 def _check_plain_linear(name: str, module: nn.Module) -> None:
@@ -87,6 +94,8 @@ def attach_adapter(model: nn.Module, adapter: str | Path, trainable: bool = Fals
     """``model`` (from :func:`load`) wrapped in PEFT with ``adapter``, whose base the caller has checked
     (:func:`check_base`); qrecover's LoRA layer on the packed layers, so that merging re-quantizes."""
     manifest = model.qrecover_manifest
+    from .adapters.lora import peft_from_pretrained  # lazy: peft
+
     peft_model = peft_from_pretrained(model, adapter, trainable)
     if not trainable:
         peft_model.eval()
@@ -109,6 +118,8 @@ def load_any(spec: str | None, cache: bool = True, adapter: str | Path | None = 
         info = {"kind": "qrecover", "path": str(path), "measured_bpw": model.qrecover_manifest.get("measured_bpw"),
                 "adapter": None}
         if adapter is not None:
+            from .adapters.lora import adapter_summary  # lazy: peft
+
             info["adapter"] = adapter_summary(adapter, model.qrecover_manifest)
         return model, AutoTokenizer.from_pretrained(path), info
     if adapter is not None:

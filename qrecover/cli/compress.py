@@ -89,14 +89,14 @@ def compress(
     widths = parse_ints(bits, "--bits") if bits is not None else None
     target = _target_bpw(bpw, uniform, widths, config["encodings"], config["scheme"])
     cfg = CompressConfig(**config, bpw=target, bits=widths, scheme_params=params)
-    # the options are valid: now the heavy modules (torch, transformers; seconds to import)
-    from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
-    from ..distributed import join  # lazy: pulls torch
     from .launch import procs_for, relaunch  # lazy: pulls torch
 
     n = procs_for(procs, config["model"], config["device"])
     if n > 1 and INVOKED:
-        relaunch(n, INVOKED)
+        relaunch(n, INVOKED)  # before the heavy imports below: each process makes its own
+    # the options are valid: now the heavy modules (torch, transformers; seconds to import)
+    from ..api import compress as run  # lazy (both): torch and transformers take seconds to import
+    from ..distributed import join  # lazy: pulls torch
 
     if out is None:
         out = _default_out(config["model"], cfg, config["encodings"])
