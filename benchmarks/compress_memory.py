@@ -44,7 +44,7 @@ from qrecover.models import default_model_dir  # noqa: E402
 OUT = ROOT / "benchmarks" / "out"
 BIG = dict(hidden_size=1536, num_attention_heads=24, num_key_value_heads=8, head_dim=64, intermediate_size=6144,
            num_hidden_layers=30)
-ARGS = ["--uniform", "--encodings", "blockwise:4/b64", "--embedding-encodings", "blockwise:4/b64",
+ARGS = ["--procs", "1", "--uniform", "--encodings", "blockwise:4/b64", "--embedding-encodings", "blockwise:4/b64",
         "--calib-samples", "2", "--seq-len", "256", "--device", "cpu", "--json", "--overwrite"]
 
 

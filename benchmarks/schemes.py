@@ -289,7 +289,8 @@ def run_original(model: Path | None = None) -> dict:
 def run_qrecover(name: str, s: dict, calib_samples: int, work: Path, model: Path | None = None) -> dict:
     ck = work / name
     cmd = qrecover_cli() + ["compress", "--json", "--overwrite", "--out", str(ck), "--calib-samples", str(calib_samples),
-                            "--device", "cpu", "--embedding-bits", "8" if s.get("embedding") is None else s["embedding"]]
+                            "--device", "cpu", "--procs", "1",  # one process: the CPU-time protocol of every row
+                            "--embedding-bits", "8" if s.get("embedding") is None else s["embedding"]]
     if model is not None:
         cmd += ["--model", str(model)]
     # rows without encodings ("default-3.7", ...) were measured on the default of their time, AFM's menu: keep it

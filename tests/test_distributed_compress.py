@@ -204,3 +204,35 @@ def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):
                     else math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert float32_bytes(tiny_model_dir) == 4 * numel
     assert procs_for("auto", str(tiny_model_dir), "cpu") == 1  # the tiny model is under the split size
+
+
+INTERRUPT_AT_COMMIT = '''"""Ctrl-C reaches the launching process when rank 0 has the whole checkpoint in its temporary directory."""
+import os
+import signal
+import time
+
+if os.environ.get("RANK") == "0":
+    from qrecover import distributed
+
+    def interrupt(self):
+        os.kill(os.getppid(), signal.SIGINT)  # the launcher (qrecover compress --procs 2 itself)
+        time.sleep(120)  # until the launcher passes the signal on
+
+    distributed.World.barrier = interrupt
+'''
+
+
+def test_procs_interrupted_leaves_nothing(tiny_model_dir, tmp_path):
+    """Ctrl-C during a ``--procs 2`` compression: exit 130, one line saying so, no checkpoint, no temporary directory
+    (the launcher passes the signal on and each process removes its own files)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(INTERRUPT_AT_COMMIT)  # imported by every Python process of the launch
+    out = tmp_path / "ckpts" / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, out, MENUS["gptq"]),
+                           "--procs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert proc.stderr.count("interrupted: nothing was written") == 1, proc.stderr[-6000:]
+    assert not out.exists() and list((tmp_path / "ckpts").iterdir()) == []

@@ -237,7 +237,7 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tok_dir):
             shutil.copy(f, src / f.name)
         peaks[n] = _peak_rss(["compress", "--model", str(src), "--out", str(tmp_path / f"out-{n}"),
                               "--uniform", "--encodings", "blockwise:2/b64", "--embedding-encodings", "blockwise:4/b64",
-                              "--calib-samples", "2", "--seq-len", "32", "--device", "cpu", "--json"], tmp_path)
+                              "--calib-samples", "2", "--seq-len", "32", "--device", "cpu", "--procs", "1", "--json"], tmp_path)
         manifest = json.loads((tmp_path / f"out-{n}" / "qrecover.json").read_text())
         assert manifest["parameters"]["model"] * 4 == sizes[n]
         shutil.rmtree(src)

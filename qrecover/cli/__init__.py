@@ -57,5 +57,6 @@ def main(argv: list[str] | None = None) -> None:
             Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" and os.environ.get("QRECOVER_PROCS_CHILD") != "1":  # else: who launched it says so
+            print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)

@@ -16,7 +16,9 @@ start-up (seconds) would outweigh the split: on CUDA (one process per GPU is ``t
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
 import struct
 import sys
 import uuid
@@ -32,6 +34,10 @@ BYTES_PER_PROCESS = 8
 MIN_SPLIT_BYTES = 100 * 2**20
 #: at most this many processes under ``--procs auto`` (each holds the model; the ordered sums pass rank to rank)
 MAX_AUTO = 8
+
+
+#: set in the environment of the processes :func:`relaunch` starts (they leave reporting an interruption to it)
+LAUNCHED = "QRECOVER_PROCS_CHILD"
 
 
 def parse_procs(value: str) -> int | None:
@@ -115,20 +121,27 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
     """Run ``qrecover ARGV`` as ``n`` processes (torch's elastic launcher, as ``torchrun --standalone``), one thread
     each (or the cores shared out), and exit with rank 0's exit code; every process's output goes to this terminal
     (rank 0 alone prints progress and results)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    for name in list(logging.root.manager.loggerDict):  # the launcher's notes on shutting down after Ctrl-C
+        if name.startswith("torch.distributed.elastic"):  # (each of its modules' loggers has its own level)
+            logging.getLogger(name).setLevel(logging.ERROR)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or usable_cores()) // n)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5, start_method="spawn")
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ[LAUNCHED] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     try:
         elastic_launch(config, sys.executable)("-m", "qrecover.cli", *argv)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         sys.exit(codes.get(0) or next(iter(codes.values())) or 1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C: the launcher passes the signal on to the processes,
+        # each removes its temporary files on the way out (qrecover.distributed.join), and this one reports it once
+        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
         print("interrupted: nothing was written", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + int(sig))
     sys.exit(0)
