@@ -628,3 +628,24 @@ def test_bf16_gradient_pass_keeps_the_statistics_close(tiny_model_dir, layerwise
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with pytest.raises(QRecoverError, match="--grad-precision 'half' must be fp32, bf16 or auto"):
         CompressConfig(grad_precision="half")
+
+
+def test_grad_samples_runs_the_gradient_pass_on_the_first_windows(tiny_model_dir, tmp_path, monkeypatch):
+    """``grad_samples=N``: the gradient pass sees the first N calibration windows, the layer pass all of them, and
+    the manifest records it; more than the calibration windows is refused before any work."""
+    import qrecover.stages.candidates as cand
+
+    seen = {}
+    real = cand.gradients
+
+    def spy(model, windows, *a, **k):
+        seen["windows"] = windows.clone()
+        return real(model, windows, *a, **k)
+
+    monkeypatch.setattr(cand, "gradients", spy)
+    run = dict(model=str(tiny_model_dir), bpw=5.0, calib_samples=3, seq_len=32, bits=[2, 4])
+    p = prepare(CompressConfig(**run, grad_samples=2), show_progress=False)
+    assert torch.equal(seen["windows"], p.windows[:2]) and len(p.windows) == 3
+    assert p.calibration["gradient_windows"] == 2 and p.grads["tokens"] == 2 * 32
+    with pytest.raises(QRecoverError, match=r"--grad-samples 4 must be between 1 and --calib-samples \(3\)"):
+        CompressConfig(**run, grad_samples=4)

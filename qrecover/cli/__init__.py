@@ -21,6 +21,7 @@ from . import recover as _recover
 from . import report as _report
 from . import tune as _tune
 from .common import INVOKED
+from .launch import LAUNCHED
 
 app = typer.Typer(
     name="qrecover",
@@ -57,6 +58,6 @@ def main(argv: list[str] | None = None) -> None:
             Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0" and os.environ.get("QRECOVER_PROCS_CHILD") != "1":  # else: who launched it says so
+        if os.environ.get("RANK", "0") == "0" and os.environ.get(LAUNCHED) != "1":  # else the launching process says so
             print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)

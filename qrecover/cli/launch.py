@@ -15,11 +15,10 @@ start-up (seconds) would outweigh the split: on CUDA (one process per GPU is ``t
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import signal
-import struct
 import sys
 import uuid
 from pathlib import Path
@@ -61,21 +60,16 @@ def usable_cores() -> int:
 
 
 def float32_bytes(path: Path) -> int:
-    """The model's weights in float32 bytes: from the safetensors headers (element counts), else from the files'
-    sizes taken as 16-bit weights (``*.bin``, GGUF)."""
+    """The model's weights in float32 bytes: from the safetensors headers (element counts; nothing else is read),
+    else from the files' sizes taken as 16-bit weights (``*.bin``, GGUF)."""
+    from safetensors import safe_open
+
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     total = 0
     for f in files:
         if f.suffix == ".safetensors":
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            for k, v in header.items():
-                if k != "__metadata__":
-                    count = 1
-                    for d in v["shape"]:
-                        count *= d
-                    total += 4 * count
+            with safe_open(str(f), framework="pt") as st:
+                total += sum(4 * math.prod(st.get_slice(k).get_shape()) for k in st.keys())
         else:
             total += 2 * f.stat().st_size
     return total
@@ -131,9 +125,7 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or usable_cores()) // n)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5, start_method="spawn")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ[LAUNCHED] = "1"
-    os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), LAUNCHED: "1"})
     try:
         elastic_launch(config, sys.executable)("-m", "qrecover.cli", *argv)
     except ChildFailedError as e:
