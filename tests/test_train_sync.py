@@ -151,3 +151,32 @@ def test_log_steps_are_the_warmup_the_period_the_checkpoints_and_the_last():
     assert all(T.is_log_step(s, 0, 11, cfg, True) for s in range(1, 12))  # a callback reads every step
     # every checkpoint is written at a read, so a non-finite loss is caught before it could be saved
     assert all(T.is_log_step(s, 0, 11, cfg, False) for s in range(1, 12) if T.is_checkpoint_step(s, 11, cfg))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_layers_make_few_graphs_whatever_each_layer_holds(tiny_ckpt, text_mix, tmp_path, monkeypatch, precision):
+    """--compile-layers: one graph per kind of call, not per layer. The tiny checkpoint mixes 2/3/4-bit layers; a
+    layer whose dense cache is filled at its first call (or whose bits differ) would be its own graph, and on an H100
+    the 1B model hit dynamo's recompile limit (8) and fell back to eager. Counted with a backend that records each
+    graph it is given."""
+    import torch._dynamo
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real = T.compile_layers
+    monkeypatch.setattr(T, "compile_layers", lambda model, backend="inductor": real(model, backend=counting))
+    torch._dynamo.reset()
+    cfg = RecoverConfig(rank=4, tokens=32 * 2 * 2 * 4, seq_len=32, batch_size=2, grad_accum=2, objective="kd",
+                        init="zero", loss_chunk=16, log_every=3, lr=1e-3, decontaminate=False, checkpoint_every=0,
+                        mix=str(text_mix), compile_layers=True, precision=precision,
+                        base_dtype="bf16" if precision == "bf16" else "auto")
+    meta = recover(tiny_ckpt, tmp_path / "a", cfg, show_progress=False)
+    torch._dynamo.reset()
+    assert math.isfinite(meta["training"]["final_loss"])
+    # the teacher's layers (no gradient), the student's first layer (its input needs none) and the others; before:
+    # 6 (one more for the layers' first calls, which filled their dense caches, and one for the head check at batch 1)
+    assert len(graphs) == 3, len(graphs)

@@ -99,6 +99,7 @@ def gemv_variants(level: str):
     """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32),
+               (0, 3, False, gemv.LUT_FP16),
                (0, 4, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_FP32),
                (0, 4, False, gemv.LUT_FP16), (0, 8, False, gemv.LUT_FP32), (1, 2, False, 0), (1, 3, True, 0),
                (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]

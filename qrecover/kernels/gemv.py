@@ -92,7 +92,7 @@ def _value(c, tbase, lut_ptr, SCHEME: tl.constexpr, BITS: tl.constexpr, ASM: tl.
     """The decoded value of codes ``c (BN, NW)``: a table look-up (palettize) or the code as a float (blockwise:
     ``2**23 + c`` by its bits, minus ``2**23``; exact, and a full-rate add instead of a quarter-rate ``I2F``)."""
     if SCHEME == 0:
-        if ASM:  # fp32 tables (the caller passes ASM only with them)
+        if ASM:  # fp32 tables (the caller passes ASM only with them: a 32-bit load of a 2-byte entry is misaligned)
             return _lut_load(lut_ptr + tbase[:, None] * (1 << BITS) + c, True, False)
         return tl.load(lut_ptr + tbase[:, None] * (1 << BITS) + c).to(tl.float32)
     return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -189,8 +189,10 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                 va = p.to(tl.int32).to(tl.float32, bitcast=True)
                 vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             else:
-                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM)
-                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS, ASM)
+                # fp16 tables (LUT 0) are read plainly: a 32-bit PTX load of a 2-byte entry is misaligned
+                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM and LUT != 0)
+                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS,
+                            ASM and LUT != 0)
             part += xa[:, None, :] * va[None, :, :] + xb[:, None, :] * vb[None, :, :]
             if SCHEME == 1:
                 sx += xa + xb

@@ -237,12 +237,19 @@ def output_head(model: nn.Module, ids: torch.Tensor) -> Head | None:
     return None if found is None else _make_head(base.get_output_embeddings(), found[1])
 
 
+def _eager() -> contextlib.AbstractContextManager:
+    """Compiled modules run eagerly inside (torch >= 2.6; older torch compiles as usual)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def _check_head(base: nn.Module, ids: torch.Tensor) -> tuple[str, float | None] | None:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None or not isinstance(getattr(base, "model", None), nn.Module):
         return None
     devices = [ids.device] if ids.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    # eager even in compiled layers: a one-off check at batch 1 outside autocast would otherwise be a graph of its own
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _eager():
         try:
             hidden, logits = _forward(base, ids, None)
             _, none = _forward(base, ids, torch.empty(0, dtype=torch.long, device=ids.device))
