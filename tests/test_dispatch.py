@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-from kernel_helpers import make_layer, ref64, rel_err
+from kernel_helpers import DEV, make_layer, ref64, rel_err
 
 from qrecover import kernels
 from qrecover.adapters.lora import attach_lora
@@ -55,7 +55,7 @@ def test_policy_keeps_the_faster_measured_path_per_bucket(on_gpu, monkeypatch):
     monkeypatch.setattr(dispatch, "timer", timer)
     layer = make_layer("palettize", 3, 48, 64)
     with torch.no_grad():
-        x1, x20 = torch.randn(1, 64), torch.randn(20, 64)
+        x1, x20 = torch.randn(1, 64, device=DEV), torch.randn(20, 64, device=DEV)
         assert rel_err(layer(x1), ref64(layer, x1)) < 1e-5
         assert layer._dispatch_dense is None  # fused won at batch 1: the copy made for timing is dropped
         assert rel_err(layer(x20), ref64(layer, x20)) < 1e-5
@@ -65,12 +65,12 @@ def test_policy_keeps_the_faster_measured_path_per_bucket(on_gpu, monkeypatch):
             assert rel_err(out, ref64(layer, x)) < 1e-5, key
         assert timer.calls == [(1, "fused"), (1, "dense"), (32, "fused"), (32, "dense")]
         n_fused = len(on_gpu)
-        layer(x1), layer(torch.randn(17, 64)), layer(x20)  # decided: no more timing
+        layer(x1), layer(torch.randn(17, 64, device=DEV)), layer(x20)  # decided: no more timing
         assert timer.calls == [(1, "fused"), (1, "dense"), (32, "fused"), (32, "dense")]
         assert len(on_gpu) == n_fused + 1  # batch 1 fused; bucket 32 on the dense copy
-        assert kernels.select(layer, "cpu", 20, torch.float32).name == "dense"
-        assert kernels.select(layer, "cpu", 1, torch.float32).name == "gemv"
-        assert kernels.select(layer, "cpu", 1, torch.float16).pending  # another dtype is another decision
+        assert kernels.select(layer, x20.device, 20, torch.float32).name == "dense"
+        assert kernels.select(layer, x1.device, 1, torch.float32).name == "gemv"
+        assert kernels.select(layer, x1.device, 1, torch.float16).pending  # another dtype is another decision
         monkeypatch.setattr(dispatch, "DECISIONS", {})
         timer.times[1] = {"fused": 5.0, "dense": 1.0}
         layer(x1)
@@ -81,7 +81,7 @@ def test_policy_keeps_the_faster_measured_path_per_bucket(on_gpu, monkeypatch):
 def test_dense_copy_needs_memory_and_decisions_are_shared_by_shape(on_gpu, monkeypatch):
     monkeypatch.setattr(dispatch, "timer", FakeTimer({4: {"fused": 3.0, "dense": 1.0}}))
     first, second = make_layer("blockwise", 4, 40, 64, block_size=32), make_layer("blockwise", 4, 40, 64, block_size=32, seed=1)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=DEV)
     with torch.no_grad():
         first(x)
         assert first._dispatch_dense is not None
@@ -100,11 +100,11 @@ def test_dense_copy_needs_memory_and_decisions_are_shared_by_shape(on_gpu, monke
 def test_training_dense_cache_and_env_override_the_measurement(on_gpu, monkeypatch):
     timer = FakeTimer({1: {"fused": 1.0, "dense": 2.0}})
     monkeypatch.setattr(dispatch, "timer", timer)
-    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(1, 64)
+    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(1, 64, device=DEV)
     layer.train()
     layer(x)  # grad enabled and the module in training mode: reference, nothing timed, nothing fused
     assert not on_gpu and not timer.calls
-    assert kernels.select(layer, "cpu", 1, torch.float32, training=True).reason == "training: the dense path"
+    assert kernels.select(layer, x.device, 1, torch.float32, training=True).reason == "training: the dense path"
     layer.eval()
     cached = make_layer("palettize", 4, 32, 64)
     cached.cache = True
@@ -121,16 +121,16 @@ def test_training_dense_cache_and_env_override_the_measurement(on_gpu, monkeypat
         layer(x)
         assert len(on_gpu) == 2 and not timer.calls
     monkeypatch.setenv("QRECOVER_KERNELS", "1")
-    assert kernels.select(layer, "cpu", 1, torch.float32, needs_grad=True).name == "reference"  # no backward
+    assert kernels.select(layer, x.device, 1, torch.float32, needs_grad=True).name == "reference"  # no backward
 
 
 def test_recovery_training_step_makes_no_fused_call(on_gpu, monkeypatch, tiny_ckpt):
     """One recovery step (LoRA on the tiny compressed model, the recovery loss, backward, optimizer step): the
     dense path everywhere. The same model in inference does reach the fused kernel, so the count can fail."""
     monkeypatch.setattr(dispatch, "timer", lambda name, fn: {"fused": 1.0, "dense": 2.0}[name])
-    model = attach_lora(load(tiny_ckpt), rank=4)
+    model = attach_lora(load(tiny_ckpt).to(DEV), rank=4)
     cfg = RecoverConfig(objective="ce", loss_chunk=8)
-    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEV)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
     loss = step_loss(model, None, ids, ids.clone(), cfg, contextlib.nullcontext)
@@ -148,7 +148,7 @@ def test_torch_int4_is_a_candidate_for_blockwise_4bit(on_gpu, monkeypatch):
     timer = FakeTimer({1: {"fused": 2.0, "dense": 3.0, "int4": 1.0}, 4: {"fused": 1.0, "dense": 3.0, "int4": 2.0}})
     monkeypatch.setattr(dispatch, "timer", timer)
     layer = make_layer("blockwise", 4, 48, 256, block_size=64, symmetric=False)
-    x = torch.randn(1, 256)
+    x = torch.randn(1, 256, device=DEV)
     with torch.no_grad():
         assert rel_err(layer(x), ref64(layer, x)) < 1e-5
         assert (1, "int4") in timer.calls and layer._dispatch_int4 is not None and layer._dispatch_dense is None
@@ -156,8 +156,8 @@ def test_torch_int4_is_a_candidate_for_blockwise_4bit(on_gpu, monkeypatch):
         n = len(on_gpu)
         layer(x)
         assert len(on_gpu) == n  # int4 kept: no fused call
-        assert kernels.select(layer, "cpu", 1, torch.float32).name == "int4"
-        x4 = torch.randn(3, 256)
+        assert kernels.select(layer, x.device, 1, torch.float32).name == "int4"
+        x4 = torch.randn(3, 256, device=DEV)
         assert rel_err(layer(x4), ref64(layer, x4)) < 1e-5 and len(on_gpu) > n  # bucket 4: fused was faster
         assert layer._dispatch_int4 is not None  # still serves bucket 1
         other = make_layer("blockwise", 4, 48, 256, block_size=64, seed=3)  # symmetric: another format, measured anew
@@ -172,7 +172,7 @@ def test_training_and_dense_cache_answer_before_select(on_gpu, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("select called")
 
-    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(3, 64)
+    layer, x = make_layer("palettize", 4, 32, 64), torch.randn(3, 64, device=DEV)
     layer.train()
     monkeypatch.setattr(kernels, "select", refuse)
     for grad in (True, False):
