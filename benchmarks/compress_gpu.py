@@ -114,7 +114,8 @@ class StageTimer:
     """Wall seconds of qrecover's stage functions (:data:`STAGES`), wrapped wherever a loaded qrecover module holds
     them; a call made inside another timed call counts toward that one only."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name  # printed with each finished stage, so that a run cut by its time limit still reports some
         self.seconds: dict[str, float] = {}
         self._depth = 0
         self._undo: list[tuple[Any, str, Any]] = []
@@ -150,7 +151,9 @@ class StageTimer:
                 self._depth -= 1
                 if self._depth == 0:
                     sync()
-                    self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.seconds[label] = self.seconds.get(label, 0.0) + dt
+                    print(f"  {self.name}: {label} {dt:.1f} s", flush=True)
         return timed
 
 
@@ -179,6 +182,7 @@ def compress_one(root: Path, name: str, config: dict[str, Any], device: str, cal
     t0 = time.time()
     src, params = build(root / name, config, device)
     build_s = time.time() - t0
+    print(f"  {name}: built in {build_s:.1f} s ({params / 1e6:,.1f} M parameters)", flush=True)
     out = root / f"{name}-3.7bpw"
     cfg = CompressConfig(model=str(src), bpw=3.7, calib_data=str(root / name / "texts"), calib_samples=calib, seq_len=seq_len,
                          device=device)
@@ -187,7 +191,7 @@ def compress_one(root: Path, name: str, config: dict[str, Any], device: str, cal
         torch.cuda.reset_peak_memory_stats()
     _reset_host_peak()
     t0 = time.perf_counter()
-    with StageTimer() as timer:
+    with StageTimer(name) as timer:
         manifest = qrecover.api.compress(cfg, out=out, overwrite=True, show_progress=False)
     sync()
     total = time.perf_counter() - t0
