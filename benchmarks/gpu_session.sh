@@ -2,9 +2,10 @@
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
 #   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress,decode,r4
 #   (default: all but decode, which compresses a 1B model first: greedy tokens/s, static cache + CUDA graphs); time limits T_TESTS, T_KERNELS, T_TRAIN, T_TRAIN2, T_COMPRESS (seconds); TRAIN_ARGS for train_speed.py
-# Measured on an H100 (2026-11-26): tests ~60 s, kernels --quick ~25-45 s, train (build + compress + 12 steps)
-# ~85-100 s, train with --compile-layers ~85 s (47 s of it compiling); compress did not finish in 105 s: give it
-# T_COMPRESS=240 in a call of its own. A machine start costs about a minute of the 15-minute device budget.
+# Measured on an H100 (2026-11-26/27): tests 75-90 s (give T_TESTS=120), kernels --quick ~50 s, r4 ~20 s, train
+# (build + compress + 12 steps) ~80-115 s, train with --compile-layers ~90 s after a train part (20 s of it
+# compiling); compress did not finish in 100 s twice: give it T_COMPRESS=240 in a call of its own. The whole
+# default set + r4 took 481 s on 2026-11-27. A machine start costs about a minute of the 15-minute budget.
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
 # benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README), made here with
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
