@@ -102,6 +102,41 @@ def _chunk_sum(hs: torch.Tensor, ht: torch.Tensor | None, targets: torch.Tensor,
     return total
 
 
+def _loss_and_grad(ls: torch.Tensor, lt: torch.Tensor | None, targets: torch.Tensor, objective: str, kd_weight: float,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_sum`'s loss for the student's logits ``ls (n, vocab)`` (detached; ``lt`` the teacher's, on the
+    same device) and its gradient with respect to ``ls``, written out rather than taken by autograd: cross-entropy
+    ``softmax(s) - onehot``, distillation ``T (softmax(s / T) - softmax(t / T))`` for ``T^2 KL(t || s)``. The same
+    values in fewer passes over vocabulary-sized tensors (autograd stores and re-reads each intermediate: the
+    log-softmax, the KL's terms, their gradients, the casts). Returns ``(summed loss, gradient in float32/64)``."""
+    s = _wide(ls)
+    total = s.new_zeros(())
+    grad = None
+    if objective != "kd":  # cross-entropy, at temperature 1
+        w = 1.0 if objective == "ce" else 1.0 - kd_weight
+        rows = torch.arange(s.shape[0], device=s.device)
+        grad = F.log_softmax(s, dim=-1)  # one fused kernel, then exponentiated in place
+        total = total - w * grad[rows, targets].sum()
+        grad.exp_()[rows, targets] -= 1.0
+        if w != 1.0:
+            grad.mul_(w)
+    if objective != "ce":
+        w = 1.0 if objective == "kd" else kd_weight
+        log_s = F.log_softmax(s / temperature if temperature != 1.0 else s, dim=-1)
+        tt = _wide(lt)
+        log_t = F.log_softmax(tt / temperature if temperature != 1.0 else tt, dim=-1)
+        p_t = log_t.exp()
+        # kl_div(log_s, log_t, log_target=True, reduction="sum") = sum p_t (log_t - log_s), with no temporaries
+        total = total + w * temperature**2 * torch.vdot(p_t.reshape(-1), log_t.sub_(log_s).reshape(-1))
+        g = log_s.exp_().sub_(p_t)  # softmax(s / T) - softmax(t / T), in log_s's buffer
+        scale = w * temperature
+        if grad is None:
+            grad = g.mul_(scale) if scale != 1.0 else g
+        else:
+            grad.add_(g, alpha=scale)
+    return total, grad
+
+
 class _Fused(torch.autograd.Function):
     """The chunks' summed loss, and its gradient with respect to the student's hidden states computed in the same
     pass (each chunk's logits live only inside its iteration); backward scales that stored ``(n, hidden)`` gradient.
@@ -112,13 +147,18 @@ class _Fused(torch.autograd.Function):
     def forward(ctx, hs, ht, targets, chunk, args):  # noqa: D102 (torch.autograd.Function protocol)
         total = _wide(hs.new_zeros(()))
         grad = torch.zeros_like(hs) if ctx.needs_input_grad[0] else None
+        student_head, teacher_head, objective, kd_weight, temperature = args
         for i in range(0, targets.numel(), chunk):
             h = hs[i:i + chunk].detach().requires_grad_(grad is not None)
             with torch.enable_grad():
-                loss = _chunk_sum(h, None if ht is None else ht[i:i + chunk], targets[i:i + chunk], *args)
+                ls = student_head(h)  # autograd for the head only (a packed head, soft-capping)
+            lt = None
+            if objective != "ce":
+                lt = teacher_head(ht[i:i + chunk]).to(ls.device)
+            loss, g = _loss_and_grad(ls.detach(), lt, targets[i:i + chunk], objective, kd_weight, temperature)
             if grad is not None:
-                grad[i:i + chunk] = torch.autograd.grad(loss, h)[0]
-            total = total + loss.detach()
+                grad[i:i + chunk] = torch.autograd.grad(ls, h, g.to(ls.dtype))[0]
+            total = total + loss
         ctx.save_for_backward(grad)
         return total
 
