@@ -28,7 +28,8 @@ DENSE = sorted(n for n in ARCHS if n not in ("mixtral", "qwen2_moe"))
 def test_fast_rotation_is_the_dense_rotation(n):
     x = torch.randn(3, 2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
     r = rotation(n, "fwht", seed=5)
-    assert (r @ r.T - torch.eye(n, dtype=torch.float64)).abs().max() < 1e-12
+    k = max(1, n // 256)  # every k-th row against all: orthonormal rows (the whole r r^T at 14336 took 60 s of CI)
+    assert (r[::k] @ r.T - torch.eye(n, dtype=torch.float64)[::k]).abs().max() < 1e-12
     assert (rotate(x, n, "fwht", 5) - x @ r).abs().max() < 1e-12 * n ** 0.5
     assert (rotate(x.float(), n, "fwht", 5).double() - x @ r).abs().max() < 1e-5
     p, b = fast_factors(n)

@@ -142,7 +142,8 @@ def compile_layers(model: nn.Module, backend: str = "inductor") -> int:
 
     layers = decoder_layers(model)
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 4 * len(layers))
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # its name before torch 2.6
+    setattr(cfg, name, max(getattr(cfg, name), 4 * len(layers)))
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:
             layer.compile(backend=backend)
