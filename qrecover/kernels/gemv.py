@@ -164,6 +164,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
     XSTEP: tl.constexpr = CPG // 2 if XP else CPG  # x_ptr elements per group
+    ASM_LUT: tl.constexpr = ASM and LUT != 0  # fp16 tables read plainly: a 32-bit PTX load of a 2-byte entry is misaligned
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = tl.minimum(rows, N - 1).to(tl.int64)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -189,10 +190,8 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                 va = p.to(tl.int32).to(tl.float32, bitcast=True)
                 vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             else:
-                # fp16 tables (LUT 0) are read plainly: a 32-bit PTX load of a 2-byte entry is misaligned
-                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM and LUT != 0)
-                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS,
-                            ASM and LUT != 0)
+                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
+                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
             part += xa[:, None, :] * va[None, :, :] + xb[:, None, :] * vb[None, :, :]
             if SCHEME == 1:
                 sx += xa + xb
