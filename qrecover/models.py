@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import json
 import math
@@ -84,8 +85,9 @@ def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with _gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except ValueError as e:  # an architecture or tensor type transformers cannot convert
         raise QRecoverError(f"{str(path)!r} cannot be loaded by transformers ({e}); pass a Hugging Face model "
                             "directory of this model instead") from None
@@ -97,6 +99,31 @@ def _load_gguf(path: Path):
     plain.load_state_dict(model.state_dict())
     plain.eval()
     return plain, tok
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within: each GGUF file parsed once and each gguf tensor-name map built once. transformers 5 parses the whole
+    file (its 49k-entry vocabulary arrays too) for the config, again for the weights and again for the tokenizer, and
+    rebuilds gguf's name map for every module of the model (397 times on the default model): 21 of the 23 s of the
+    default model's one-time conversion. The objects are the ones transformers builds itself, read only; the
+    converted weights are byte-identical (tests/test_models.py)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def parsed(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 # GGUF metadata value types: struct format of the fixed-width ones (8 = string, 9 = array)

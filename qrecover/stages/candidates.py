@@ -43,13 +43,44 @@ def stats_for(enc: Encoding, stats: dict[str, torch.Tensor], cache: dict) -> dic
     ``shared_factor``: the inverse Hessian's Cholesky factor for its damp and column order), that work as
     ``hessian_inv_chol``, computed once per (Hessian, ``factor_key``: damp and column order): q/k/v and gate/up share
     it, and so do every palettization candidate and GPTQ without act order (the same factor)."""
+    key = _factor_key(enc, stats)
+    if key is None:
+        return stats
+    if key not in cache:
+        cache[key] = (stats["hessian"], enc.quantizer.shared_factor(stats["hessian"]).to(stats["hessian"].device))  # keeps H alive: ids stay unique
+    return {**stats, "hessian_inv_chol": cache[key][1]}
+
+
+def _factor_key(enc: Encoding, stats: dict[str, torch.Tensor]) -> tuple[int, str] | None:
+    """The key of the shared factor ``enc`` uses with ``stats`` (the Hessian's identity and the quantizer's
+    ``factor_key``), or None where it uses none."""
     q = enc.quantizer
     if not hasattr(q, "shared_factor") or "hessian" not in stats or "hessian" not in q.needs:
-        return stats
-    key = (id(stats["hessian"]), json.dumps(q.factor_key))
-    if key not in cache:
-        cache[key] = (stats["hessian"], q.shared_factor(stats["hessian"]).to(stats["hessian"].device))  # keeps H alive: ids stay unique
-    return {**stats, "hessian_inv_chol": cache[key][1]}
+        return None
+    return (id(stats["hessian"]), json.dumps(q.factor_key))
+
+
+def share_factors(units: dict[str, "Job"], group: World, cache: dict) -> None:
+    """Every shared factor the jobs of ``units`` use, each computed by one process and gathered into every
+    process's ``cache`` (:func:`stats_for`'s): without this, each process computes the factors its own jobs need, and
+    where the jobs reading one Hessian are split (q and k; the two palettization layouts of down_proj) each
+    computes the same factor (a float64 Cholesky and triangular inverse, 0.2 s at 1536 columns). The same factors,
+    bit for bit (the same function on the same Hessian)."""
+    if group.size == 1:
+        return
+    needed: dict[tuple[int, str], tuple[torch.Tensor, Any]] = {}
+    for _, encs, st, _ in units.values():  # every process walks the same units and encodings in the same order
+        for e in encs:
+            key = _factor_key(e, st)
+            if key is not None and key not in cache:
+                needed.setdefault(key, (st["hessian"], e.quantizer))
+    keys = list(needed)
+    mine = {i: needed[keys[i]][1].shared_factor(needed[keys[i]][0]).cpu()
+            for i in group.share([needed[k][0].shape[0] ** 3 for k in keys])}
+    for part in group.gather(mine):
+        for i, f in part.items():
+            h = needed[keys[i]][0]
+            cache[keys[i]] = (h, f.to(h.device))
 
 
 def quantize_unit(weight: torch.Tensor, encodings: Sequence[Encoding], stats: dict[str, torch.Tensor],
@@ -90,6 +121,7 @@ def quantize_shared(units: dict[str, Job], group: World = SINGLE, cache: dict | 
     gathered on every process: the same results as one process, which runs every job.
     """
     cache = {} if cache is None else cache
+    share_factors(units, group, cache)
     jobs = [(n, key) for n, (_, encs, _, _) in units.items() for key in dict.fromkeys(e.key for e in encs)]
     costs = [units[n][0].numel() * sum(e.key == key for e in units[n][1]) for n, key in jobs]
     done: dict[tuple[str, str], list] = {}
