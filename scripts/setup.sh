@@ -32,7 +32,7 @@ if [ "${PIP[0]}" = uv ] && [ -n "$WHEEL" ]; then "${PIP[@]}" "$WHEEL"; else pyth
 # Convert the default model once (GGUF -> safetensors in ~/.cache/qrecover: the first compress would do it) and compile
 # the bytecode of what compress imports: uv does not compile at install as pip does, and where PYTHONDONTWRITEBYTECODE
 # is set every process would compile torch and transformers again at each start (measured here: 15.5 s of imports per
-# process without bytecode, 5.7 s with; a compress starts three). Only what is imported is compiled (all of
+# process without bytecode, 4.5 s with; a compress starts three). Only what is imported is compiled (all of
 # site-packages: 35 s).
 env -u PYTHONDONTWRITEBYTECODE python - <<'PY'
 import torch, transformers, torch.distributed.run  # noqa: F401  (compress's launcher)
