@@ -65,7 +65,8 @@ def share_factors(units: dict[str, "Job"], group: World, cache: dict) -> None:
     process's ``cache`` (:func:`stats_for`'s): without this, each process computes the factors its own jobs need, and
     where the jobs reading one Hessian are split (q and k; the two palettization layouts of down_proj) each
     computes the same factor (a float64 Cholesky and triangular inverse, 0.2 s at 1536 columns). The same factors,
-    bit for bit (the same function on the same Hessian)."""
+    bit for bit (the same function on the same Hessian). CPU statistics only: a GPU computes a factor in
+    milliseconds, faster than it could be gathered (2 GB per Llama-8B layer, pickled, to every process)."""
     if group.size == 1:
         return
     needed: dict[tuple[int, str], tuple[torch.Tensor, Any]] = {}
@@ -73,6 +74,8 @@ def share_factors(units: dict[str, "Job"], group: World, cache: dict) -> None:
         for e in encs:
             key = _factor_key(e, st)
             if key is not None and key not in cache:
+                if st["hessian"].device.type != "cpu":
+                    return
                 needed.setdefault(key, (st["hessian"], e.quantizer))
     keys = list(needed)
     mine = {i: needed[keys[i]][1].shared_factor(needed[keys[i]][0]).cpu()
