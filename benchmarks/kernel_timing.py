@@ -7,7 +7,6 @@ graph). Warm-up (compilation, tuning, repacks) runs before capture and is report
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable
 
@@ -15,46 +14,8 @@ import torch
 
 from qrecover import kernels
 from qrecover.kernels import int4pack, layer_format
+from qrecover.kernels.timing import cold_ms, l2_bytes, n_copies  # noqa: F401  (re-exported: the benchmarks' names)
 from qrecover.packing import unpack
-
-
-def l2_bytes() -> int:
-    """The GPU's L2 cache size (50 MB on an H100); 50 MB when unknown."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
-
-
-def n_copies(bytes_per_copy: int, l2: int, cap: int = 64) -> int:
-    """Weight copies to rotate so that one round reads more than 3x the L2 cache (at least 2)."""
-    return max(2, min(cap, -(-3 * l2 // max(bytes_per_copy, 1))))
-
-
-def cold_ms(calls: list[Callable[[], object]], min_calls: int = 200, replays: int = 5) -> float:
-    """Milliseconds per call of ``calls`` (one per weight copy) run round-robin inside one CUDA graph."""
-    for c in calls:
-        c()  # warm-up: compile, tune, allocate outside the graph
-    torch.cuda.synchronize()
-    rounds = max(1, -(-min_calls // len(calls)))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(rounds):
-                for c in calls:
-                    c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(calls)))
-    return statistics.median(times)
 
 
 def timed_once(fn: Callable[[], object], device: str) -> tuple[object, float]:

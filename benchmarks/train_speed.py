@@ -154,12 +154,17 @@ class StepCounts:
                 continue
         return out
 
+    COUNTED = 2  # the step counted under HostSyncCounter; with a profile, the next one is profiled
+
     def __enter__(self) -> "StepCounts":
+        # with a profile, the warm-up (excluded from the steady-state figures) takes in the profiled step too
+        self._warmup = T.WARMUP_LOG_STEPS
+        T.WARMUP_LOG_STEPS = self.COUNTED + 1 if self.profile else self.COUNTED
         def counted(ctx, micro):
             self.calls += 1
-            if self.profile and self.calls == T.WARMUP_LOG_STEPS + 2:
+            if self.profile and self.calls == self.COUNTED + 1:
                 return self._profiled(ctx, micro)
-            if self.calls != T.WARMUP_LOG_STEPS:
+            if self.calls != self.COUNTED:
                 return self._real(ctx, micro)
             with HostSyncCounter() as c:
                 out = self._real(ctx, micro)
@@ -171,6 +176,7 @@ class StepCounts:
 
     def __exit__(self, *exc) -> None:
         T.optimizer_step = self._real
+        T.WARMUP_LOG_STEPS = self._warmup
 
     def steady(self) -> dict:
         c = self.counted
@@ -194,8 +200,8 @@ def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps
         with StepCounts(profile) as counts:
             meta = recover(ckpt, out, cfg, overwrite=True, show_progress=False)
         if counts.profile_table:
-            print(f"\nprofile of one steady-state step (micro-batch {batch}; the step is excluded from nothing, "
-                  f"so its tokens/s include the profiler's overhead):\n{counts.profile_table}", flush=True)
+            print(f"\nprofile of one step after warm-up (micro-batch {batch}; counted in the warm-up, so the "
+                  f"steady-state tokens/s exclude the profiler's overhead):\n{counts.profile_table}", flush=True)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
         return {"batch": batch, "oom": str(e).splitlines()[0][:200]}
@@ -207,7 +213,7 @@ def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps
             "tok_per_s_incl_warmup": t["tok_per_s"], "warmup_s": warm["seconds"] if warm else None,
             "warmup_steps": warm["steps"] if warm else 0, "train_s": t["seconds"], "run_s": time.perf_counter() - t0,
             "peak_memory_gb": t["peak_memory_bytes"] / 1e9, "precision": t.get("mixed_precision"),
-            "attention": t.get("attention"), "init_seconds": meta["init"].get("seconds"),
+            "attention": t.get("attention"), "fused_layers": t.get("fused_layers"), "init_seconds": meta["init"].get("seconds"),
             "adapter_mb": meta["bytes"]["tensors"] / 1e6, **counts.steady()}
 
 
@@ -272,8 +278,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--base-dtype", default="auto", choices=["auto", "bf16", "fp32"],
                     help="RecoverConfig.base_dtype (auto: bf16 on CUDA with bf16 precision; --tiny --precision bf16 "
                     "--base-dtype bf16 counts that step's copies on the CPU)")
-    ap.add_argument("--profile", action="store_true", help="also print a torch.profiler table of one steady-state step "
-                    "(its overhead enters that run's timing: compare speeds from runs without it)")
+    ap.add_argument("--profile", action="store_true", help="also print a torch.profiler table of one step after warm-up "
+                    "(a third warm-up step: the steady-state figures stay free of the profiler's overhead)")
     ap.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (RecoverConfig.compile_layers)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="activation checkpointing (recompute in backward): with --micro-batch auto, a larger micro-batch fits")

@@ -108,7 +108,9 @@ def test_the_tuner_may_pick_another_table_layout(interp):
         assert rel_err(y, ref64(layer, x)) < 1e-5, mode
     from qrecover.kernels.qmatmul import candidate_configs
 
-    assert {c.lut for c in candidate_configs(fmt, 1)[:5]} == {-1, gemv.LUT_FP32}
+    first = candidate_configs(fmt, 1)[:5]
+    # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), pairs among the first five
+    assert first[0].lut == gemv.LUT_FP32 and {c.lut for c in first} == {gemv.LUT_PAIRS, gemv.LUT_FP32}
 
 
 _PTX_LOADS = """

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
@@ -23,6 +24,30 @@ def test_l2_cold_copies_exceed_three_times_l2():
     assert n_copies(4096 * 14336 * 2, l2) == 2  # fp16 4096x14336 (117 MB): two copies already exceed 150 MB
     assert n_copies(6_300_000, l2) == 25 and 25 * 6_300_000 > 3 * l2  # 3-bit 4096x4096
     assert n_copies(100, l2) == 64  # capped
+    # the tuner's copies (qrecover.kernels.timing.tensor_copies): 2x L2, at most 16
+    assert n_copies(22_020_096, l2, factor=2, cap=16) == 5 and 5 * 22_020_096 > 2 * l2  # palettize-3 4096x14336
+    assert n_copies(100, l2, factor=2, cap=16) == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tuner times on CUDA only")
+def test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers(monkeypatch):
+    from qrecover.kernels import qmatmul, timing
+    from qrecover.kernels.formats import Format
+
+    fmt = Format(0, 3, 256, 1024, 16, 1024, False)
+    tensors = {"qdata": torch.randint(0, 255, (256 * 1024 * 3 // 8,), dtype=torch.uint8, device="cuda"),
+               "lut": torch.randn(16, 8, device="cuda").half()}
+    tensors["lut_alias"] = tensors["lut"]
+    sets = timing.tensor_copies(tensors, 1 << 20)
+    assert len(sets) == 16 and all(torch.equal(s["qdata"], tensors["qdata"]) for s in sets)
+    assert sets[1]["qdata"].data_ptr() != tensors["qdata"].data_ptr() and sets[1]["lut_alias"] is sets[1]["lut"]
+    configs = qmatmul.candidate_configs(fmt, 1)[:4]
+    times = dict(zip(configs, (3.0, 1.0, 2.0, 4.0)))
+    monkeypatch.setattr(qmatmul, "_time", lambda x, f, sets, bias, cfg, cold: times[cfg])
+    monkeypatch.setattr(qmatmul, "TUNE_LIMIT", 4)
+    monkeypatch.setattr(qmatmul, "_TUNED", {})
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.float16)
+    assert qmatmul._tune(x, fmt, tensors, None) == configs[1]
 
 
 def test_dry_run_builds_every_quick_case(tmp_path):

@@ -70,5 +70,6 @@ def test_tuner_offers_the_dot_decode_kernel_first(interp, batch):
     layer = _layer("palettize", 4, {})
     x = torch.randn(batch, 192, device=DEV, dtype=torch.float16)  # fp32 activations keep the shared kernel's small tiles
     assert rel_err(kernels.fused_linear(layer, x), ref64(layer, x)) < 2e-3
-    assert isinstance(interp._TUNED[(layer_format(layer), interp._bucket(batch), x.dtype, x.device.type)], interp.DotDecode) \
-        or interp._bucket(batch) > 64
+    if x.device.type == "cpu":  # the interpreter runs the first candidate; a GPU keeps the fastest it timed (H100: either kind)
+        assert isinstance(interp._TUNED[(layer_format(layer), interp._bucket(batch), x.dtype, x.device.type)],
+                          interp.DotDecode) or interp._bucket(batch) > 64

@@ -33,7 +33,8 @@ Two paths share one kernel body (``USE_DOT`` is a compile-time switch):
 Batch 1-4 runs the decode kernel (:mod:`.gemv`); batch 5-64 (fp16/bf16) is also offered :mod:`.qmm_dot`'s kernel
 (:class:`DotDecode` configs: gemv's decode feeding a ``tl.dot``), timed beside this kernel's configs.
 
-Block sizes are tuned per (format, shape, batch bucket, dtype) on first use with ``triton.testing.do_bench``
+Block sizes are tuned per (format, shape, batch bucket, dtype) on first use, L2-cold (:mod:`.timing`: copies of
+the layer's buffers read in turn inside one CUDA graph; ``triton.testing.do_bench`` where memory allows no copies)
 over a small config list and cached in :data:`_TUNED` (not ``triton.autotune``: the split-K workspace and its
 reduction depend on the chosen config, which ``autotune`` hides from the caller). Under the interpreter
 (``TRITON_INTERPRET=1``) the first valid config is used without timing.
@@ -56,6 +57,7 @@ from . import gemv, qmm_dot
 from .formats import Config, Format
 from .gemv import interpreting  # re-exported: qmatmul.interpreting() is the kernels' check
 from .qmm_dot import DotDecode
+from .timing import cold_ms, l2_bytes, tensor_copies
 
 # ------------------------------------------------------------------------------------------- kernels
 
@@ -245,23 +247,28 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     triton 3.6), then other split factors."""
     bm = _pow2_at_least(m)
     asm = (fmt.scheme == 0 and gemv.lut_mode(fmt) != gemv.LUT_FP16) or fmt.bits == 3
-    shapes = [(bn, bk) for bn, bk in ((64, 128), (128, 256), (128, 128), (32, 128), (64, 256), (64, 64))
-              if bk in ks and bm * bn * bk <= 32768]
+    # tile order from an H100 sweep (benchmarks/decode_sweep.py, 4096x14336 batch 1, L2-cold): palettize 64x256 and
+    # 128x256 first; blockwise B=64 128x64 then 64x64
+    shapes = [(bn, bk) for bn, bk in ((64, 256), (128, 256), (64, 128), (128, 128), (32, 256), (32, 128), (128, 64),
+                                      (64, 64), (256, 64), (32, 64)) if bk in ks and bm * bn * bk <= 32768]
 
     def fill(bn: int, bk: int) -> int:
         return _pow2_at_least(max(min(-(-2 * SMS // -(-fmt.out_f // bn)), fmt.in_f // bk), 1))
 
     plain = [Config(bm, bn, bk, fill(bn, bk), False) for bn, bk in shapes]
     first = plain
-    if asm:  # two asm variants, then a plain one, and so on
-        with_asm = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes]
-        first = [c for i in range(0, len(shapes), 2) for c in with_asm[i:i + 2] + plain[i // 2:i // 2 + 1]]
-        first += [c for c in plain if c not in first]
+    if asm:  # the asm variants first (the plain ones measured up to 2x slower on the H100), then the plain ones
+        first = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes] + plain
     modes = gemv.table_modes(fmt) if fmt.scheme == 0 else ()
+    lut = -1
+    if fmt.bits == 4 and modes == (gemv.LUT_PAIRS, gemv.LUT_FP32):  # 4-bit: fp32 singles first (H100 sweep: every
+        lut, modes = gemv.LUT_FP32, (gemv.LUT_FP32, gemv.LUT_PAIRS)  # tile ran 20-35% faster than with 2 KB pair tables)
+        first = [dataclasses.replace(c, lut=lut) for c in first]
     if len(modes) > 1:  # the other table layouts of the two first tiles, fourth and fifth
         other = [dataclasses.replace(c, lut=m) for m in modes[1:] for c in first[:2]]
         first = first[:3] + other + [c for c in first[3:]]
-    rest = [Config(bm, bn, bk, s, False, asm=asm) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
+    rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16)
+            if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
     return out or [Config(bm, 32, ks[-1], 1, False)]
 
@@ -341,16 +348,31 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)[:TUNE_LIMIT]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
+    elif torch.cuda.is_current_stream_capturing():  # inside someone's graph capture nothing can be timed: not kept
+        return configs[0]
     else:
         timings = {}
+        sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
         for cfg in configs:
             try:
-                timings[cfg] = triton.testing.do_bench(lambda: _launch(x, fmt, tensors, bias, cfg), warmup=5, rep=20)
+                timings[cfg] = _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None)
             except OutOfResources:
                 continue
         best = min(timings, key=timings.get)
+        del sets
     _TUNED[key] = best
     return best
+
+
+def _time(x: torch.Tensor, fmt: Format, sets: list[dict], bias: torch.Tensor | None, cfg: Config, cold: bool) -> float:
+    """One configuration's time: L2-cold over the tensor copies ``sets`` in one CUDA graph (:mod:`.timing`), or
+    ``do_bench`` where there was no room for copies or the graph cannot be captured."""
+    if cold:
+        try:
+            return cold_ms([lambda t=t: _launch(x, fmt, t, bias, cfg) for t in sets], min_calls=64, replays=3)
+        except RuntimeError:  # a capture error: the warm measure below
+            torch.cuda.synchronize()
+    return triton.testing.do_bench(lambda: _launch(x, fmt, sets[0], bias, cfg), warmup=5, rep=20)
 
 
 def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,

@@ -64,6 +64,10 @@ class RecoverConfig(DictConfig):
     compile_layers: bool = doc_field(False, "torch.compile each decoder layer of the student and the teacher (one graph per layer "
                                      "kind, compiled in the first steps: the warm-up); for GPUs, off by default (on a CPU the "
                                      "compilation costs more than it saves on short runs)")
+    fused_layers: bool = doc_field(True, "fewer passes over the activations while training: LoRA's scale and add inside one "
+                                   "GEMM, and on CUDA with liger-kernel installed (qrecover[train-gpu]) its fused RMSNorm and "
+                                   "SwiGLU (not with --compile-layers, which fuses them itself); the same numbers",
+                                   flag="--no-fused-layers", negate=True)
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)",
                                         flag="--no-cache-dequantized", negate=True)
     shard_base: bool = doc_field(False, "on several processes (torchrun, or accelerate launch without --use_fsdp): shard the "

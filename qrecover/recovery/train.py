@@ -56,6 +56,7 @@ from .checkpoints import (
     trainable,
 )
 from .config import RecoverConfig
+from .fused_layers import fused_lora, liger_layers
 from .parallel import (
     average_adapter_grads,
     check_distributed,
@@ -381,11 +382,15 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             fill_dense_caches(objective._unwrap(model), dtype)
         if teacher is not None and callback is None:
             scope.enter_context(causal_sdpa(objective._unwrap(teacher), cfg.seq_len))
+        # LoRA's scale and add in one GEMM; Liger's fused RMSNorm and SwiGLU on CUDA (fused_layers.py)
+        fused = {"lora_addmm": scope.enter_context(fused_lora(objective._unwrap(model))) if cfg.fused_layers else 0,
+                 "liger": scope.enter_context(liger_layers(objective._unwrap(model), objective._unwrap(teacher)))
+                 if cfg.fused_layers and not cfg.compile_layers and accelerator.device.type == "cuda" else 0}
         step, tokens, train_seconds, warmup = _loop(ctx, stream, loader, run_dir, history, step, tokens, steps,
                                                     callback, show_progress, description)
     model.eval()
     return {"steps": step, "tokens": tokens, "final_loss": history[-1]["loss"] if history else None,
-            "warmup": warmup if step - step0 > WARMUP_LOG_STEPS else None, "attention": attention,
+            "warmup": warmup if step - step0 > WARMUP_LOG_STEPS else None, "attention": attention, "fused_layers": fused,
             "tok_per_s": (tokens - tokens0) / train_seconds if train_seconds > 0 else None,
             "seconds": train_seconds, "data_setup_seconds": setup_seconds,
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
