@@ -131,6 +131,9 @@ ROWS: dict[str, dict] = {
     # online R4 (qrecover.transforms.online_r4): down_proj's input rotated at run time, its weight's rows fused
     "rotr4-gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "rot+r4+gptq:3/g64/asym/act_order=true"},
     "r4-gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "r4+gptq:3/g64/asym/act_order=true"},
+    # GPTQ with the reference's MSE range search per group (gptq's mse=true), with and without rotations
+    "gptq-w3g64-actorder-mse": {"kind": "qrecover", "encodings": "gptq:3/g64/asym/act_order=true/mse=true"},
+    "rotr4-gptq-w3g64-actorder-mse": {"kind": "qrecover", "encodings": "rot+r4+gptq:3/g64/asym/act_order=true/mse=true"},
     "rotr4-mixed-blocks-3.7": {"kind": "qrecover", "encodings": "rot+r4+" + PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
                                "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "gptq-w2g64-actorder": {"kind": "qrecover", "encodings": "gptq:2/g64/asym/act_order=true"},

@@ -254,3 +254,23 @@ def test_pipeline_shared_factor_equals_own_factor(act_order):
     a = enc.quantizer.quantize(w, 3, shared)
     b = enc.quantizer.quantize(w, 3, {"hessian": h})
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_grid_never_rounds_worse_than_min_max_and_is_off_by_default(symmetric):
+    """``mse``: per row, the shrunk range's ``sum |w - q|^2.4`` is at most min/max's (1 is among the factors); the
+    grid stays fp16-representable with codes in range; without it the grid is min/max's, bit for bit."""
+    from qrecover.schemes.gptq import _grid, _grid_error
+
+    cols = randn(64, 40, seed=3) ** 3  # heavy tails: outliers that a shrunk range clips
+    maxq = torch.full((40,), 7.0)
+    plain = _grid(cols, maxq, symmetric)
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grid(cols, maxq, symmetric, mse=False)))
+    shrunk = _grid(cols, maxq, symmetric, mse=True)
+    e_plain, e_mse = _grid_error(cols, *plain, maxq), _grid_error(cols, *shrunk, maxq)
+    assert (e_mse <= e_plain).all() and (e_mse < e_plain).float().mean() > 0.6  # most rows gain
+    assert torch.equal(shrunk[0], shrunk[0].half().float()) and ((shrunk[1] >= 0) & (shrunk[1] <= 7)).all()
+    w, H = randn(24, 128, seed=1) ** 3 * 0.05, correlated_hessian(128, seed=11)
+    q = get_quantizer("gptq", group_size=32, symmetric=symmetric, mse=True).quantize(w, 3, {"hessian": H})
+    assert output_error(w, q.dequantize(), H) < output_error(
+        w, get_quantizer("gptq", group_size=32, symmetric=symmetric).quantize(w, 3, {"hessian": H}).dequantize(), H)

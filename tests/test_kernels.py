@@ -140,9 +140,12 @@ def test_kernels_compile_for_h100_without_a_gpu():
                        text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "registers" not in line]
-    assert len(rows) == 11 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout  # 5 kernels + 3 small + 3 r4
+    assert len(rows) == 13 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout  # 5 kernels + 3 small + 3 r4 + 2 kd
     r4 = [row for row in rows if row.startswith("| r4 rotation 1536")]
     assert len(r4) == 1 and int(r4[0].split("|")[3]) == 0, r.stdout  # the default model's size: no spills
+    kd = [row for row in rows if row.startswith("| kd loss")]
+    # no spill, and <= 80 registers: at least 3 programs of 8 warps per SM (3.6: 64, 3.9: 73-76)
+    assert len(kd) == 2 and all(int(row.split("|")[3]) == 0 and int(row.split("|")[2]) <= 80 for row in kd), r.stdout
 
 
 # --- dispatch: a pure decision, no triton needed ---------------------------------------------------------

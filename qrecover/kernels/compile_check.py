@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import fwht, gemv, isa, multi_adapter_kernels, qmatmul, qmm_dot
+from . import fwht, gemv, isa, kd_loss, multi_adapter_kernels, qmatmul, qmm_dot
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
            {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},
            dict(P=P, P_PAD=max(16, triton.next_power_of_2(P)), B=B, LOG_B=B.bit_length() - 1, FP32_DOT=False), 4 if P <= 16 else 8)
           for n, P, B, dt in ((1536, 12, 128, "fp16"), (14336, 112, 128, "fp16"), (4096, 32, 128, "bf16"))],
+        *[(f"kd loss {dt}", kd_loss._kd_rows,
+           {"s_ptr": f"*{dt}", "t_ptr": f"*{dt}", "g_ptr": f"*{dt}", "loss_ptr": "*fp32", "n_cols": "i32", "stride_s": "i32",
+            "stride_t": "i32", "stride_g": "i32", "inv_temp": "fp32", "grad_scale": "fp32"}, dict(BLOCK=kd_loss.BLOCK), 8)
+          for dt in ("bf16", "fp32")],
     ]
     for label, fn, sig, const, *warps in others:
         r = resources(_compile(fn, sig, const, target, **({"num_warps": warps[0]} if warps else {})))

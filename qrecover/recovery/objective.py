@@ -102,13 +102,31 @@ def _chunk_sum(hs: torch.Tensor, ht: torch.Tensor | None, targets: torch.Tensor,
     return total
 
 
+def _kd_kernel(ls: torch.Tensor, lt: torch.Tensor) -> bool:
+    """Whether the distillation loss runs :mod:`qrecover.kernels.kd_loss`'s kernel: CUDA logits, triton installed,
+    kernels not turned off (``QRECOVER_KERNELS=0``)."""
+    from .. import kernels
+
+    if not (ls.is_cuda and kernels.enabled() and kernels.triton_available()):
+        return False
+    from ..kernels.kd_loss import usable
+
+    return usable(ls, lt)
+
+
 def _loss_and_grad(ls: torch.Tensor, lt: torch.Tensor | None, targets: torch.Tensor, objective: str, kd_weight: float,
                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_chunk_sum`'s loss for the student's logits ``ls (n, vocab)`` (detached; ``lt`` the teacher's, on the
     same device) and its gradient with respect to ``ls``, written out rather than taken by autograd: cross-entropy
     ``softmax(s) - onehot``, distillation ``T (softmax(s / T) - softmax(t / T))`` for ``T^2 KL(t || s)``. The same
     values in fewer passes over vocabulary-sized tensors (autograd stores and re-reads each intermediate: the
-    log-softmax, the KL's terms, their gradients, the casts). Returns ``(summed loss, gradient in float32/64)``."""
+    log-softmax, the KL's terms, their gradients, the casts). Returns ``(summed loss, gradient in float32/64)``;
+    plain distillation on CUDA takes :mod:`qrecover.kernels.kd_loss`'s two-pass kernel instead (the gradient then in
+    the logits' dtype; ``QRECOVER_KERNELS=0`` keeps torch's)."""
+    if objective == "kd" and lt is not None and _kd_kernel(ls, lt):
+        from ..kernels.kd_loss import kd_loss_and_grad
+
+        return kd_loss_and_grad(ls, lt, temperature)
     s = _wide(ls)
     total = s.new_zeros(())
     grad = None
