@@ -18,20 +18,25 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
 
-def interpreted_kernels():
-    """Yield the kernel modules, built for the interpreter when there is no GPU; restore the environment after."""
+KERNEL_MODULES = ("qrecover.kernels.gemv", "qrecover.kernels.qmm_dot", "qrecover.kernels.qmatmul",
+                  "qrecover.kernels.multi_adapter_kernels")  # (in import order: each reads the ones before)
+
+
+def interpreted_kernels(names: tuple[str, ...] = KERNEL_MODULES, main: str = "qrecover.kernels.qmatmul"):
+    """Yield the kernel module ``main``, ``names`` built for the interpreter when there is no GPU; restore the
+    environment after."""
     if not kernels.triton_available():
         pytest.skip("triton is not installed: pip install 'qrecover[kernels]'")
     old = os.environ.get("TRITON_INTERPRET")
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("qrecover.kernels.gemv", "qrecover.kernels.qmm_dot", "qrecover.kernels.qmatmul",
-                 "qrecover.kernels.multi_adapter_kernels"):  # (in import order: each reads the ones before)
+    for name in names:
         if name in sys.modules:  # imported earlier without the interpreter: rebuild the kernels for it
             importlib.reload(sys.modules[name])
-    qmatmul = importlib.import_module("qrecover.kernels.qmatmul")
-    assert qmatmul.interpreting() == (not CUDA)
-    yield qmatmul
+    module = importlib.import_module(main)
+    if main == "qrecover.kernels.qmatmul":
+        assert module.interpreting() == (not CUDA)
+    yield module
     if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:

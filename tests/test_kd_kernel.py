@@ -3,32 +3,15 @@ replaces on CUDA (qrecover.recovery.objective._loss_and_grad); under triton's in
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import CUDA, DEV
-
-from qrecover import kernels
+from kernel_helpers import CUDA, DEV, interpreted_kernels
 
 
 @pytest.fixture(scope="module")
 def kd():
-    if not kernels.triton_available():
-        pytest.skip("triton is not installed: pip install 'qrecover[kernels]'")
-    old = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import qrecover.kernels.kd_loss as mod
-
-    mod = importlib.reload(mod)  # built for the interpreter (@triton.jit reads TRITON_INTERPRET when decorating)
-    yield mod
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    yield from interpreted_kernels(("qrecover.kernels.kd_loss",), "qrecover.kernels.kd_loss")
 
 
 def _ref64(ls, lt, temperature):
