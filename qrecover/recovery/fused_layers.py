@@ -21,6 +21,7 @@ Both keep the numbers (the same operations, fused; tests compare outputs and gra
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 from collections.abc import Iterator
 
@@ -112,9 +113,7 @@ def liger_layers(*models: nn.Module | None) -> Iterator[int]:
     if liger_available():
         for model in (m for m in models if m is not None):
             for m in model.modules():
-                on_cuda = any(p.is_cuda for p in m.parameters(recurse=False)) or any(
-                    p.is_cuda for p in m.parameters())
-                if not on_cuda:
+                if not any(t.is_cuda for t in itertools.chain(m.parameters(), m.buffers())):  # packed: buffers
                     continue
                 if type(m).__name__ in LLAMA_NORMS and hasattr(m, "variance_epsilon"):
                     mods.append((m, _norm_forward))
