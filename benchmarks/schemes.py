@@ -115,6 +115,8 @@ ROWS: dict[str, dict] = {
                          "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "mixed-blocks-3.7-mse": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true/mse=true,"
                              "gptq:4/g64/act_order=true/mse=true", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
+    "rotr4-mixed-blocks-3.7-mse": {"kind": "qrecover", "encodings": "rot+r4+" + PAL_BLOCKS + ",gptq:3/g64/act_order=true/mse=true,"
+                                   "gptq:4/g64/act_order=true/mse=true", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "mixed-blocks-3.7-calibmix": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",
                                   "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"], "calib_data": "calib-mix"},
     # rotations (issue 25): R1 + R2 fused into the weights (qrecover.transforms.rotate), same settings as the rows above;
