@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import CUDA, DEV, interpreted_kernels
 
+from qrecover import kernels
+
 
 @pytest.fixture(scope="module")
 def kd():
@@ -73,3 +75,33 @@ def test_kd_kernel_is_used_only_on_cuda_with_kernels_on(monkeypatch):
         assert objective._kd_kernel(x, x)
         monkeypatch.setenv("QRECOVER_KERNELS", "0")
         assert not objective._kd_kernel(x, x)
+
+
+def test_a_failing_kernel_falls_back_to_torch_once_with_a_warning(kd, monkeypatch):
+    """A compile or launch failure on some GPU must not stop a training run: one warning naming the error, torch's loss
+    (the same numbers), and no further attempt in the process."""
+    from qrecover.recovery import objective
+
+    g = torch.Generator().manual_seed(2)
+    ls, lt = torch.randn(4, 300, generator=g).to(DEV), torch.randn(4, 300, generator=g).to(DEV)
+    targets = torch.zeros(4, dtype=torch.long, device=DEV)
+    monkeypatch.setattr(objective, "_kd_kernel", lambda a, b: False)
+    want, want_grad = objective._loss_and_grad(ls, lt, targets, "kd", 0.5, 1.0)
+    monkeypatch.undo()
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("PTX JIT compilation failed")
+
+    monkeypatch.setattr(kd, "kd_loss_and_grad", broken)
+    monkeypatch.setitem(__import__("sys").modules, "qrecover.kernels.kd_loss", kd)
+    monkeypatch.setattr(objective, "_KD_KERNEL_FAILED", [])
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.setattr(kd, "usable", lambda a, b: True)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # reach the kernel branch on the CPU
+        with pytest.warns(UserWarning, match="PTX JIT compilation failed"):
+            got, got_grad = objective._loss_and_grad(ls, lt, targets, "kd", 0.5, 1.0)
+        assert not objective._kd_kernel(ls, lt)  # not tried again in this process
+    assert float(got) == float(want) and torch.equal(got_grad, want_grad) and len(calls) == 1

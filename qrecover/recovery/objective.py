@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -102,12 +103,16 @@ def _chunk_sum(hs: torch.Tensor, ht: torch.Tensor | None, targets: torch.Tensor,
     return total
 
 
+#: why the distillation loss kernel failed in this process, if it did (then :func:`_kd_kernel` says no from there on)
+_KD_KERNEL_FAILED: list[str] = []
+
+
 def _kd_kernel(ls: torch.Tensor, lt: torch.Tensor) -> bool:
     """Whether the distillation loss runs :mod:`qrecover.kernels.kd_loss`'s kernel: CUDA logits, triton installed,
-    kernels not turned off (``QRECOVER_KERNELS=0``)."""
+    kernels not turned off (``QRECOVER_KERNELS=0``), and no earlier failure of it in this process."""
     from .. import kernels
 
-    if not (ls.is_cuda and kernels.enabled() and kernels.triton_available()):
+    if _KD_KERNEL_FAILED or not (ls.is_cuda and kernels.enabled() and kernels.triton_available()):
         return False
     from ..kernels.kd_loss import usable
 
@@ -126,7 +131,12 @@ def _loss_and_grad(ls: torch.Tensor, lt: torch.Tensor | None, targets: torch.Ten
     if objective == "kd" and lt is not None and _kd_kernel(ls, lt):
         from ..kernels.kd_loss import kd_loss_and_grad
 
-        return kd_loss_and_grad(ls, lt, temperature)
+        try:
+            return kd_loss_and_grad(ls, lt, temperature)
+        except Exception as e:  # a compile or launch failure on this GPU: torch's path for the rest of the process
+            _KD_KERNEL_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
+            warnings.warn(f"qrecover: the distillation loss kernel failed ({_KD_KERNEL_FAILED[0]}); the loss runs in "
+                          "torch from here on (QRECOVER_KERNELS=0 chooses that from the start)", stacklevel=2)
     s = _wide(ls)
     total = s.new_zeros(())
     grad = None
