@@ -3,6 +3,7 @@ outputs and gradients with fewer elementwise passes; Liger's norms and MLPs only
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -94,19 +95,31 @@ def test_liger_layers_pick_llama_norms_and_silu_mlps(monkeypatch):
     ids = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    rms = types.SimpleNamespace(apply=lambda x, w, eps, offset, mode, inplace:
-                                w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
-    silu_mul = types.SimpleNamespace(apply=lambda a, b: torch.nn.functional.silu(a) * b)
+    calls = {"rms": 0, "silu_mul": 0}
+
+    def rms(x, w, eps, offset, mode, inplace):
+        calls["rms"] += 1
+        return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def silu_mul(a, b):
+        calls["silu_mul"] += 1
+        return torch.nn.functional.silu(a) * b
+
     monkeypatch.setattr(fl, "liger_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm", types.SimpleNamespace(LigerRMSNormFunction=rms))
-    monkeypatch.setitem(sys.modules, "liger_kernel.ops.swiglu", types.SimpleNamespace(LigerSiLUMulFunction=silu_mul))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the modules' device check
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm",
+                        types.SimpleNamespace(LigerRMSNormFunction=types.SimpleNamespace(apply=rms)))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.swiglu",
+                        types.SimpleNamespace(LigerSiLUMulFunction=types.SimpleNamespace(apply=silu_mul)))
     with liger_layers(model, None) as n, torch.no_grad():
+        assert n == 0  # on the CPU: nothing chosen
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the modules' device check only
+        stack = contextlib.ExitStack()
+        n = stack.enter_context(liger_layers(model, None))
+    with stack, torch.no_grad():
         assert n == 2 * 3 + 1  # two norms and an MLP per layer, the final norm
-        monkeypatch.undo()
-        monkeypatch.setitem(sys.modules, "liger_kernel.ops.rms_norm", types.SimpleNamespace(LigerRMSNormFunction=rms))
-        monkeypatch.setitem(sys.modules, "liger_kernel.ops.swiglu", types.SimpleNamespace(LigerSiLUMulFunction=silu_mul))
         out = model(input_ids=ids).logits
+    assert calls == {"rms": 2 * 2 + 1, "silu_mul": 2}  # the patched forwards ran, once per module
     assert _close(out.double(), ref.double()) < 1e-6
     assert all("forward" not in m.__dict__ for m in model.modules())
 

@@ -62,16 +62,21 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fused_lora(model: nn.Module) -> Iterator[int]:
-    """While active, every plain PEFT LoRA ``Linear`` of ``model`` runs :func:`_lora_forward`; yields how many."""
-    layers = [m for m in model.modules() if _plain_lora(m)]
-    for m in layers:
-        m.forward = types.MethodType(_lora_forward, m)
+def _forwards(pairs: list[tuple[nn.Module, object]]) -> Iterator[int]:
+    """While active, each module of ``pairs`` runs its function as its forward (an instance attribute, removed after);
+    yields how many."""
+    for m, fn in pairs:
+        m.forward = types.MethodType(fn, m)
     try:
-        yield len(layers)
+        yield len(pairs)
     finally:
-        for m in layers:
+        for m, _ in pairs:
             m.__dict__.pop("forward", None)
+
+
+def fused_lora(model: nn.Module) -> contextlib.AbstractContextManager[int]:
+    """While active, every plain PEFT LoRA ``Linear`` of ``model`` runs :func:`_lora_forward`; yields how many."""
+    return _forwards([(m, _lora_forward) for m in model.modules() if _plain_lora(m)])
 
 
 def liger_available() -> bool:
@@ -105,8 +110,7 @@ def _swiglu_mlp(m: nn.Module) -> bool:
             and type(getattr(m, "act_fn", None)).__name__ in SILU and type(m).__name__.endswith("MLP"))
 
 
-@contextlib.contextmanager
-def liger_layers(*models: nn.Module | None) -> Iterator[int]:
+def liger_layers(*models: nn.Module | None) -> contextlib.AbstractContextManager[int]:
     """While active, Llama-style RMSNorms and SiLU-gated MLPs of ``models`` on CUDA run Liger Kernel's fused
     kernels (forward and backward); yields how many modules; 0 and nothing changed without liger-kernel or CUDA."""
     mods = []
@@ -119,10 +123,4 @@ def liger_layers(*models: nn.Module | None) -> Iterator[int]:
                     mods.append((m, _norm_forward))
                 elif _swiglu_mlp(m):
                     mods.append((m, _mlp_forward))
-    for m, fn in mods:
-        m.forward = types.MethodType(fn, m)
-    try:
-        yield len(mods)
-    finally:
-        for m, _ in mods:
-            m.__dict__.pop("forward", None)
+    return _forwards(mods)
