@@ -6,6 +6,8 @@ naming the option that avoids it; models it cannot rotate are one-line errors, e
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 
 import pytest
 import torch
@@ -101,14 +103,67 @@ def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(t
                 q.get_submodule(n)._forward_pre_hooks.clear()
         without = q(ids).logits
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 1e-3  # the re-attached online half is what makes it exact
-    for fmt in ("gguf", "coreml", "compressed-tensors"):
+    for fmt in ("gguf", "coreml"):  # compressed-tensors carries it (test below)
         with pytest.raises(QRecoverError, match=f"runs an online rotation at .* and .* more .*--format {fmt} cannot hold "
-                                                "it: compress without r4\\+ and rot\\+ in --encodings") as e:
+                                                "it: compress without r4\\+ and rot\\+ in --encodings, or export it with "
+                                                "--format compressed-tensors") as e:
             export(tmp_path / "q", fmt, tmp_path / fmt)
         assert "\n" not in str(e.value) and not (tmp_path / fmt).exists()
     code, out, err = cli(["info", str(tmp_path / "q")], capsys)
     text = " ".join((err + out).replace("│", " ").split())
     assert code == 0 and "rot+r4" in text and "3 rotation(s) at run time" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="needs compressed-tensors ([export-ct])")
+def test_r4_checkpoint_exports_to_compressed_tensors_with_its_transform(tmp_path, tiny_dir):  # noqa: F811
+    """compressed-tensors carries R4 as its transform config (the matrix stored once) and the tied head's final-norm
+    rotation as an untied head; the online transform applied as vLLM does (compressed-tensors' own transform module,
+    the stored matrix over sqrt(n)) gives qrecover.load's logits, and without it they differ."""
+    from compressed_tensors.transform import TransformConfig
+    from compressed_tensors.transform.factory.hadamard import HadamardTransform
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+r4+gptq:4/g16/symmetric=true", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    compress(cfg, out=tmp_path / "q", show_progress=False)
+    from qrecover.adapters.lora import attach_lora, base_identity, save_adapter
+
+    model = attach_lora(load(tmp_path / "q"), rank=2)
+    save_adapter(model, tmp_path / "lora", base_identity(tmp_path / "q"), model.qrecover_manifest["parameters"]["model"])
+    with pytest.raises(QRecoverError, match="exporting an adapter with it is not supported yet"):
+        export(tmp_path / "q", "compressed-tensors", tmp_path / "ct", adapter=tmp_path / "lora")
+    assert not (tmp_path / "ct").exists()
+    rep = export(tmp_path / "q", "compressed-tensors", tmp_path / "ct")
+    assert rep["exact_layers"] == rep["total_layers"] and rep["untied_head"]["from"] == "model.norm"
+    assert rep["transforms"]["R4"] == {"type": "random-hadamard", "size": 96, "kind": "fwht", "modules": 2, "dtype": "float16",
+                                       "stored": "model.layers.0.mlp.down_proj.R4_input.weight"}
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    tcfg = TransformConfig.model_validate(config["quantization_config"]["transform_config"])
+    (scheme,) = tcfg.config_groups.values()
+    downs = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert [(a.location, a.inverse, a.targets) for a in scheme.apply] == [("input", False, downs), ("weight_input", True, downs)]
+    assert config["tie_word_embeddings"] is False
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), framework="pt") as f:
+        stored = f.get_tensor(rep["transforms"]["R4"]["stored"])
+        assert sum(k.endswith("R4_input.weight") for k in f.keys()) == 1  # shared: stored once
+    assert stored.dtype == torch.float16 and torch.equal(stored.abs(), torch.ones_like(stored))
+    assert torch.allclose(stored.double() / 96**0.5, rotation(96, "fwht", 2000), atol=1e-12)
+
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
+    assert served.lm_head.weight is not served.model.embed_tokens.weight and torch.all(served.model.norm.weight == 1)
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = load(tmp_path / "q")(ids).logits
+        without = served(ids).logits  # (also decompresses the packed layers)
+        for args in (a for a in scheme.apply if a.location == "input"):
+            weight = torch.nn.Parameter(stored.float(), requires_grad=False)
+            for name in args.targets:
+                t = HadamardTransform(weight, None, scheme, args, torch.nn.Linear)
+                served.get_submodule(name).register_forward_pre_hook(lambda _m, a, t=t: (t(a[0]), *a[1:]))
+        got = served(ids).logits
+    # the untied head is stored in fp16 (relative rounding 2^-11 per value)
+    assert _rel(got, ref) < 1e-3 and _rel(without, ref) > 0.1, (_rel(got, ref), _rel(without, ref))
 
 
 def test_cli_refuses_r4_on_experts(tmp_path, capsys):

@@ -8,6 +8,7 @@ in-memory compressed model's logits."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 
 import pytest
@@ -171,12 +172,29 @@ def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir
         bare.model.norm._forward_pre_hooks.clear(), bare.model.norm._forward_hooks.clear()
         without = bare(ids).logits
     assert torch.all(q.model.norm.weight != 1)  # tied: the final norm keeps its scale
-    for fmt in ("gguf", "coreml", "compressed-tensors"):  # no format holds the online final-norm rotation: refused
+    for fmt in ("gguf", "coreml"):  # no place for the online final-norm rotation: refused (compressed-tensors unties)
         with pytest.raises(QRecoverError, match=f"runs an online rotation at model.norm .*--format {fmt} cannot hold it: "
                                                 "compress without rot\\+") as e:
             export(tmp_path / "q", fmt, tmp_path / fmt)
         assert "\n" not in str(e.value) and not (tmp_path / fmt).exists()
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 0.1  # the re-attached hooks are what makes it exact
+
+
+@pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="needs compressed-tensors ([export-ct])")
+def test_rotated_tied_checkpoint_exports_to_compressed_tensors_with_an_untied_head(tmp_path, tiny_dir):
+    """compressed-tensors holds no online final-norm rotation, so the export unties the head (E R1^T diag(g) R1, the
+    final norm the identity): transformers alone, nothing online, gives qrecover.load's logits."""
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+gptq:4/g16/symmetric=true", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    compress(cfg, out=tmp_path / "q", show_progress=False)
+    rep = export(tmp_path / "q", "compressed-tensors", tmp_path / "ct")
+    assert rep["untied_head"] == {"from": "model.norm", "values": 49152 * 64, "dtype": "float16"} and "transforms" not in rep
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32).eval()
+    assert served.lm_head.weight is not served.model.embed_tokens.weight and torch.all(served.model.norm.weight == 1)
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, ref = served(ids).logits, load(tmp_path / "q")(ids).logits
+    assert _rel(got, ref) < 1e-3, _rel(got, ref)  # the untied head is stored in fp16
 
 
 def _rel(a, b):

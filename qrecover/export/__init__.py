@@ -57,7 +57,7 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
                             "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
-    _check_exportable(ckpt, checkpoint, fmt)
+    _check_exportable(ckpt, checkpoint, fmt, adapter)
     merge = None
     if merge_adapter:
         if fmt == "compressed-tensors" and spec is None:
@@ -96,14 +96,20 @@ def _check_options(fmt: str, out: Path, overwrite: bool, adapter: str | Path | N
                             "cannot hold by itself and reports the loss")
 
 
-def _check_exportable(ckpt: Checkpoint, checkpoint: Path, fmt: str) -> None:
-    """Refuse a checkpoint that no export format holds yet: an online rotation, or experts quantized one by one."""
+def _check_exportable(ckpt: Checkpoint, checkpoint: Path, fmt: str, adapter: str | Path | None = None) -> None:
+    """Refuse what ``fmt`` cannot hold: an online rotation (only compressed-tensors carries one, without an
+    adapter), or experts quantized one by one."""
     if online := ckpt.manifest.get("transforms", {}).get("online"):
         why = sorted({spec.get("why", "rot+ on a tied head: the final norm runs un-rotated") for spec in online.values()})
         avoid = " and ".join(sorted({"r4+" if spec.get("side") == "input" else "rot+" for spec in online.values()}))
         where = ", ".join(list(online)[:2]) + (f" and {len(online) - 2} more" if len(online) > 2 else "")
-        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where} ({'; '.join(why)}); "
-                            f"--format {fmt} cannot hold it: compress without {avoid} in --encodings, or load it with qrecover.load")
+        if fmt != "compressed-tensors":
+            raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where} ({'; '.join(why)}); "
+                                f"--format {fmt} cannot hold it: compress without {avoid} in --encodings, or export it "
+                                "with --format compressed-tensors (vLLM), or load it with qrecover.load")
+        if adapter is not None:
+            raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where}; exporting an adapter with it is "
+                                "not supported yet: export the base alone, or compress without " + avoid + " in --encodings")
     if ckpt.manifest.get("moe", {}).get("unfused"):
         raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
                             f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "

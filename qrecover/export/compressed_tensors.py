@@ -18,10 +18,23 @@ the library's own decompressor instead. Symmetric layers round-trip through tran
 
 Palettized layers (look-up tables) have no compressed-tensors type: refused, or re-quantized with
 ``--requantize intB/gG`` from the stored weights, the measured relative error reported per layer.
+
+Online rotations (``r4+``, ``rot+`` on a tied head; the manifest's ``transforms.online``) are carried for vLLM:
+
+- R4, ``down_proj``'s input ``x R4``: compressed-tensors' transform config (``quantization_config.transform_config``),
+  one ``random-hadamard`` scheme ``R4`` whose ``input`` location is online and whose ``weight_input`` location
+  (inverse) records the half already fused into the weights. The matrix is stored once, as llm-compressor stores a
+  shared transform, under ``<first down_proj>.R4_input.weight``: ``R4 * sqrt(n)`` (entries +-1, exact in fp16), which
+  vLLM and compressed-tensors divide by ``sqrt(n)`` (vLLM's dense transform path; its Hadamard kernel serves only
+  the non-random ``hadamard`` type).
+- R1 on a tied head (the final norm run un-rotated, ``norm(x R1^T) R1``): the head is untied instead,
+  ``lm_head = E R1^T diag(g) R1`` (``E`` the stored rotated embedding, ``g`` the final norm's scale, which becomes the
+  identity), written dense in fp16: nothing runs online, and the file holds a second vocabulary matrix (reported).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +42,9 @@ from typing import Any
 import torch
 
 from ..errors import QRecoverError
+from ..models import decoder_layers
+from ..transforms.hadamard import rotation
+from ..transforms.rotate import SUPPORTED
 from .common import Checkpoint, integer_layout, layout_dequantize, to_int_groups
 
 WEIGHTS_FILE = "model.safetensors"
@@ -73,7 +89,8 @@ def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int]
     # float32 (an 8-bit value scale * int needs up to 18 significant bits: fp16 would round it); a tied output
     # projection stays tied to it
     targets = {n: lay for n, lay in layouts.items() if ckpt.kind(n) != "embedding"}
-    model, dense = _dense_model(ckpt, layouts, targets, report)
+    untie, inputs = online_transforms(ckpt)
+    model, dense = _dense_model(ckpt, layouts, targets, report, untie)
     schemes = _config_groups(ckpt, targets)
     qconfig = QuantizationConfig(config_groups=schemes, format="pack-quantized",
                                  quantization_status=QuantizationStatus.FROZEN)
@@ -87,28 +104,91 @@ def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int]
         p.data = ref
     model.config.dtype = torch.float16
     model.save_pretrained(tmp)
+    transforms = _write_transforms(tmp, inputs, compressor) if inputs else None
     compressor.update_config(str(tmp))
     AutoTokenizer.from_pretrained(ckpt.path).save_pretrained(tmp)
     if (ckpt.path / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(ckpt.path).save_pretrained(tmp)
     for name, r in report.items():
         log(f"  {name:<44} {r['scheme']:<16} {'exact' if r['exact'] else 'rel. error %.2e' % r['rel_error']}")
+    for key, t in (transforms or {}).items():
+        log(f"  online {key}: {t['type']} {t['size']}x{t['size']} on the input of {t['modules']} module(s) "
+            f"(transform_config; stored once as {t['stored']})")
+    if untie:
+        log(f"  the tied head's final-norm rotation folded into an untied head ({model.get_output_embeddings().weight.numel():,} "
+            "values, fp16): nothing runs online")
     files = sorted(p.name for p in tmp.glob("*.safetensors"))
     return {"file": files[0] if len(files) == 1 else WEIGHTS_FILE, "layers": report,
             "exact_layers": sum(r["exact"] for r in report.values()), "total_layers": len(report),
             "total_rel_error": _total_rel_error(ckpt, report),
             "config_groups": {k: {"targets": len(v.targets), "weights": v.weights.model_dump(exclude_none=True)}
                               for k, v in schemes.items()},
+            **({"transforms": transforms} if transforms else {}),
+            **({"untied_head": {"from": next(iter(untie)), "values": int(model.get_output_embeddings().weight.numel()),
+                                "dtype": "float16"}} if untie else {}),
             "seconds": round(time.time() - t0, 1)}
 
 
-def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, Any], report: dict[str, dict]
-                 ) -> tuple[Any, list[torch.Tensor]]:
+def online_transforms(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(untie, inputs)`` from the manifest's online rotations: the tied head's final-norm rotation (``{norm: spec}``,
+    written as an untied head) and the online input rotations (``{module: spec}``, r4: a transform config)."""
+    online = ckpt.manifest.get("transforms", {}).get("online", {})
+    untie = {n: s for n, s in online.items() if s.get("side") != "input"}
+    inputs = {n: s for n, s in online.items() if s.get("side") == "input"}
+    for name, spec in inputs.items():
+        if spec["kind"] not in ("fwht", "hadamard", "block") or name not in ckpt.layers:
+            raise QRecoverError(f"the online rotation at {name} ({spec['kind']}) has no compressed-tensors transform here; "
+                                "compress without r4+ in --encodings")
+    if len(untie) > 1 or (untie and not ckpt.tied):
+        raise QRecoverError(f"online rotations at {', '.join(untie)}: compressed-tensors export holds a tied head's final-norm "
+                            "rotation only; compress without rot+ in --encodings")
+    return untie, inputs
+
+
+def _write_transforms(tmp: Path, inputs: dict[str, Any], compressor: Any) -> dict[str, Any]:
+    """Add the online input rotations to the written model: one ``random-hadamard`` scheme per distinct rotation in
+    the compressor's transform config, its matrix (times ``sqrt(n)``) stored once under its first module's name."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+    from safetensors.torch import load_file, save_file
+
+    groups: dict[tuple, list[str]] = {}
+    for name, spec in inputs.items():
+        groups.setdefault((int(spec["size"]), spec["kind"], int(spec["seed"])), []).append(name)
+    schemes, tensors, report = {}, {}, {}
+    for i, ((size, kind, seed), names) in enumerate(sorted(groups.items())):
+        key = "R4" if i == 0 else f"R4_{i}"
+        schemes[key] = TransformScheme(type="random-hadamard", apply=[
+            TransformArgs(targets=names, location="input"),                      # online: x R4
+            TransformArgs(targets=names, location="weight_input", inverse=True)  # fused already: W R4
+        ])
+        m = rotation(size, kind, seed) * size ** 0.5
+        exact = bool(torch.equal(m.half().double(), m))
+        tensors[f"{names[0]}.{key}_input.weight"] = (m.half() if exact else m.float()).contiguous()
+        report[key] = {"type": "random-hadamard", "size": size, "kind": kind, "modules": len(names),
+                       "stored": f"{names[0]}.{key}_input.weight", "dtype": "float16" if exact else "float32"}
+    index = tmp / "model.safetensors.index.json"
+    if index.is_file():  # a sharded model: the transforms in a shard of their own, listed in the index
+        save_file(tensors, str(tmp / "model-transforms.safetensors"), metadata={"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "model-transforms.safetensors" for k in tensors})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        state = load_file(str(tmp / WEIGHTS_FILE))
+        save_file({**state, **tensors}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    compressor.transform_config = TransformConfig(config_groups=schemes)
+    return report
+
+
+def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, Any], report: dict[str, dict],
+                 untie: dict[str, Any] | None = None) -> tuple[Any, list[torch.Tensor]]:
     """The transformers model of ``ckpt`` in float32 with every weight dequantized from its layout; returns it and
-    the weights of the layers written dense (not in ``targets``: the embedding), marked so in ``report``."""
+    the weights of the layers written dense (not in ``targets``: the embedding), marked so in ``report``. ``untie``
+    (``{final norm: rotation spec}``): the tied head's online final-norm rotation folded into an untied head."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ckpt.path)
+    if untie:
+        config.tie_word_embeddings = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -118,8 +198,19 @@ def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, A
         state[f"{name}.weight"] = layout_dequantize(lay)
         if name not in targets:
             report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
+    if untie:
+        (norm, spec), = untie.items()
+        emb = next(n for n in layouts if ckpt.kind(n) == "embedding")
+        head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+        offset = SUPPORTED[type(decoder_layers(model)[0]).__name__]  # Gemma's norms multiply by 1 + w
+        g = ckpt.remainder[f"{norm}.weight"].double() + offset
+        r = rotation(int(spec["size"]), spec["kind"], int(spec["seed"]))
+        # the head read norm(x R1^T) R1 through E R1; untied it reads n(x R1) directly: E R1^T diag(g) R1
+        state[f"{head}.weight"] = (state[f"{emb}.weight"].double() @ ((r.T * g) @ r)).float()
+        state[f"{norm}.weight"] = torch.full_like(g, 1.0 - offset).float()
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq") and not (ckpt.tied and k.endswith("lm_head.weight"))]
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")
+               and not (ckpt.tied and not untie and k.endswith("lm_head.weight"))]
     if missing or unexpected:
         raise QRecoverError(f"checkpoint {str(ckpt.path)!r} does not match its config: missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}")
