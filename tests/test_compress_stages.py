@@ -405,14 +405,15 @@ def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert [(e.bits, e.params["block_size"], e.params["block_fit"], e.params["refit"]) for e in blocks] == [
         (2, None, "exact", 2), (3, None, "exact", 2), (4, None, "exact", 2), (2, 192, "nearest", 2), (3, 192, "nearest", 2),
         (4, 192, "nearest", 2)]
-    assert parse_encodings("mixed-blocks") == blocks + parse_encodings("gptq:3/g64,gptq:4/g64")
-    assert [e.params["act_order"] for e in parse_encodings("mixed-blocks")[-2:]] == [True, True]
+    assert parse_encodings("mixed-blocks") == blocks + parse_encodings("gptq:3/g64/mse=true,gptq:4/g64/mse=true")
+    assert [(e.params["act_order"], e.params["mse"]) for e in parse_encodings("mixed-blocks")[-2:]] == [(True, True)] * 2
     assert CompressConfig().encodings == "mixed-blocks"  # the default menu
-    # quick: the default menu, encoding by encoding, without the table refits
+    # quick: the default menu, encoding by encoding, without the table refits and GPTQ's range search
     quick = parse_encodings("quick")
-    assert [dataclasses.replace(e, params_json=json.dumps({**e.params, "refit": 2}, sort_keys=True)) if e.scheme == "palettize" else e
-            for e in quick] == parse_encodings("mixed-blocks")
+    assert [dataclasses.replace(e, params_json=json.dumps({**e.params, "refit": 2} if e.scheme == "palettize" else {**e.params, "mse": True},
+                                                          sort_keys=True)) for e in quick] == parse_encodings("mixed-blocks")
     assert [e.params["refit"] for e in quick if e.scheme == "palettize"] == [0] * 6
+    assert [e.params["mse"] for e in quick if e.scheme == "gptq"] == [False] * 2
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)
     assert parse_encodings("mixed,blockwise:8/pc") == parse_encodings(PRESETS["mixed"]) + [parse_encoding("blockwise:8/pc")]
     with pytest.raises(QRecoverError, match="preset name"):

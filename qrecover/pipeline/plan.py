@@ -20,6 +20,7 @@ from ..evaluate.harness import check_tasks
 from ..io_utils import sha256_file, sha256_files
 from ..models import resolve, weights_sha256
 from ..recipes import DEFAULT_MIX, shipped_path
+from ..stages.specs import embedding_encodings, linear_encodings
 from .recipe import (
     _PATH_OPTIONS,
     STAGE_FILE,
@@ -79,6 +80,17 @@ def stage_key(kind: str, config: dict[str, Any], inputs: dict[str, str]) -> str:
     blob = json.dumps({"stage": kind, "config": config, "inputs": inputs, "qrecover": __version__},
                       sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _candidates(cfg: Any) -> dict[str, list[list[Any]]]:
+    """The compress config's candidate encodings, presets expanded and every parameter resolved: a menu whose
+    meaning changes (a preset's specs, a scheme's default) changes the key, though its name does not."""
+    def rows(encs: list[Any]) -> list[list[Any]]:
+        return [[e.scheme, e.bits, list(e.transforms), e.params_json] for e in encs]
+
+    return {"linear": rows(linear_encodings(cfg.scheme, cfg.bits, cfg.scheme_params, cfg.encodings)),
+            "embedding": rows(embedding_encodings(cfg.embedding_bits, cfg.embedding_encodings,
+                                                  cfg.scope == "model" and cfg.bpw is not None))}
 
 
 def model_sha256(spec: str | None) -> str:
@@ -147,7 +159,7 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     compressed: dict[float, Stage] = {}
     for b in recipe.compress.bpw:
         cfg = recipe.compress.config(spec, b, c_run)
-        keyed = {**cfg.to_dict(), **c_keyed, "model_sha256": weights}
+        keyed = {**cfg.to_dict(), **c_keyed, "model_sha256": weights, "candidates": _candidates(cfg)}
         del keyed["model"]
         compressed[b] = add(f"compress-{_bpw_name(b)}", "compress", keyed, [], bpw=b, options=c_run)
     recovered: dict[tuple[float, int], Stage] = {}

@@ -50,9 +50,11 @@ GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asy
 #: palettization only, whole-row tables and tables per block of about 192 input columns (``block_fit=nearest``: 192 on
 #: the default model's 576 and 1536, 256 on 2048 or 4096, 224 on 14336; a layer with no multiple of 32 within a factor
 #: 2 chooses among the whole-row ones), each with two least-squares table refits: the best palettization-only
-#: menu. ``mixed-blocks``: ``afm-blocks`` + GPTQ at 3 and 4 bits (g64, act order): the best measured menu, on the
-#: calibration domain and on every held-out one (1.343x / worst 2.05x against ``afm-blocks``' 1.351x / 2.12x), on
-#: every architecture: the default (:data:`DEFAULT_ENCODINGS`).
+#: menu. ``mixed-blocks``: ``afm-blocks`` + GPTQ at 3 and 4 bits (g64, act order) with GPTQ's range search
+#: (``mse=true``): the best measured menu without an online transform, on the calibration domain and on every held-out
+#: one (python-docs 1.279x, held-out worst 1.890x; without the range search 1.343x / 2.049x, ``afm-blocks`` 1.351x /
+#: 2.12x), on every architecture: the default (:data:`DEFAULT_ENCODINGS`). The range search became part of it on
+#: 2026-11-27 (docs/rotations.md, "GPTQ's range search").
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
@@ -60,13 +62,14 @@ PRESETS = {
     "afm-blocks": "palettize:2/refit=2,palettize:3/refit=2,palettize:4/refit=2,palettize:2/b192/block_fit=nearest/refit=2,"
                   "palettize:3/b192/block_fit=nearest/refit=2,palettize:4/b192/block_fit=nearest/refit=2",
 }
-PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64,gptq:4/g64"
-#: ``quick``: ``mixed-blocks`` without the table refits (k-means tables, codes by error feedback), the candidates that
-#: cost most (each refit is a least-squares solve per table and a second error-feedback pass); the quick start's menu.
+PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64/mse=true,gptq:4/g64/mse=true"
+#: ``quick``: ``mixed-blocks`` without the table refits (k-means tables, codes by error feedback) and without GPTQ's
+#: range search, the candidates' most costly parts (each refit is a least-squares solve per table and a second
+#: error-feedback pass; the search tries 80 grids per group); the quick start's menu.
 #: Measured at ``--bpw 3.7`` (2026-11-26, one thread, loaded machine): 818 CPU-s against the default's 1,344; held-out
 #: ppl ratios python-docs 1.333x, shakespeare 1.968x, gsm8k 1.523x, mmlu 1.800x (worst 1.968x) against the default's
 #: 1.326x / 1.967x / 1.576x / 1.809x (worst 1.967x), both scored in the same benchmarks/heldout.py run.
-PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "")
+PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "").replace("/mse=true", "")
 
 # DEFAULT_ENCODINGS (the menu when no --encodings, --scheme or --bits is given) is declared in qrecover.config.
 
