@@ -200,8 +200,8 @@ def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, A
             report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
     if untie:
         (norm, spec), = untie.items()
-        emb = next(n for n in layouts if ckpt.kind(n) == "embedding")
-        head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+        names = {m: n for n, m in model.named_modules()}
+        emb, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
         offset = SUPPORTED[type(decoder_layers(model)[0]).__name__]  # Gemma's norms multiply by 1 + w
         g = ckpt.remainder[f"{norm}.weight"].double() + offset
         r = rotation(int(spec["size"]), spec["kind"], int(spec["seed"]))
