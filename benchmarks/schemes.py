@@ -105,6 +105,10 @@ ROWS: dict[str, dict] = {
     "gptq-w4g64-layer": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=false", "finalize_groups": "layer"},
     "gptq-w4g64-actorder": {"kind": "qrecover", "encodings": "gptq:4/g64/asym/act_order=true"},
     "llmc-gptq-w4g64-actorder": {"kind": "llmc", "method": "gptq", "bits": 4, "group": 64, "actorder": "static"},
+    # issue 25's peer row: llm-compressor's SpinQuantModifier (R1 + R2, random Hadamard: 576 is not a power of two;
+    # it unties a tied head) before its GPTQ, against qrecover's rot-gptq-w*g64-actorder rows
+    "llmc-spinquant-gptq-w4g64-actorder": {"kind": "llmc", "method": "spinquant-gptq", "bits": 4, "group": 64, "actorder": "static"},
+    "llmc-spinquant-gptq-w3g64-actorder": {"kind": "llmc", "method": "spinquant-gptq", "bits": 3, "group": 64, "actorder": "static"},
     "gptq-w3g64-actorder": {"kind": "qrecover", "encodings": "gptq:3/g64/asym/act_order=true"},
     "default-3.7-calibmix": {"kind": "qrecover", "bpw": 3.7, "embedding": "auto", "calib_data": "calib-mix"},
     "blocks-3.7-calibmix": {"kind": "qrecover", "encodings": PAL_BLOCKS, "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"],
@@ -391,9 +395,13 @@ def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path
               if not (k.endswith(".weight") and isinstance(model.get_submodule(k.rsplit(".", 1)[0]), torch.nn.Linear))}
     weights = {"num_bits": s["bits"], "type": "int", "symmetric": False, "strategy": "group", "group_size": s["group"]}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
-    if s["method"] == "gptq":
+    if s["method"] in ("gptq", "spinquant-gptq"):
         recipe = [GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01,
                                 actorder=s.get("actorder"))]  # None: no act order (rows with act_order=false)
+        if s["method"] == "spinquant-gptq":
+            from llmcompressor.modifiers.transform import SpinQuantModifier
+
+            recipe.insert(0, SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard"))
     else:
         recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     t = time.time()
@@ -412,6 +420,9 @@ def llmc_worker(settings: str, windows_path: str, out_path: str, model_dir: Path
     state = model.state_dict()
     changed = [k for k, v in before.items() if k in state and not torch.equal(state[k].detach().float(), v.float())]
     sd.update({k: state[k].detach().float().clone().contiguous() for k in changed})  # e.g. AWQ's rescaled norms
+    if s["method"] == "spinquant-gptq":  # SpinQuant unties a tied head and rotates it: a matrix of its own, saved
+        head = model.get_output_embeddings()
+        sd[next(n for n, m in model.named_modules() if m is head) + ".weight"] = head.weight.detach().float().clone().contiguous()
     save_file(sd, out_path)
     all_params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"oneshot_seconds": seconds, "on_grid": on_grid, "linear_params": lin, "all_params": all_params,
@@ -426,6 +437,11 @@ def ppl_with(weights: str, model_dir: Path | None = None) -> None:
     from qrecover.models import load_model
     model, tok, _ = load_model(str(model_dir) if model_dir else None)
     sd = load_file(weights)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    if head is not None and head.weight is emb.weight and f"{head_name}.weight" in sd:  # weights with an untied head
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     missing = set(sd) - set(model.state_dict())
     if missing:
         raise SystemExit(f"weights not in the model: {sorted(missing)[:5]}")

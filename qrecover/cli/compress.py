@@ -49,10 +49,11 @@ matrices; rot1: R1 only; rot2: R2 only), e.g. rot+gptq:3/g64, rot+palettize:3, r
 Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
 (palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (palettize:2,3,4
 with whole-row tables and tables per ~192 columns, each refitted twice: the best palettization-only menu),
-mixed-blocks (the default: afm-blocks + gptq:3/g64, gptq:4/g64; the best measured, on the calibration domain and on
-every held-out domain), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
-gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only), quick (mixed-blocks without the
-table refits: the quick start's menu, 40% less CPU time; held out as good: worst 1.97x, as the default). They mix with
+mixed-blocks (the default: afm-blocks + gptq:3/g64/mse=true, gptq:4/g64/mse=true, GPTQ with its range search; the
+best measured without an online transform, on the calibration domain and on every held-out domain: worst 1.89x),
+mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4, gptq:4/g64; architectures with an
+AWQ mapping; good on the calibration domain only), quick (mixed-blocks without the table refits and the range
+search: the quick start's menu, about 40% less CPU time; worst held-out 1.97x). They mix with
 specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
 every layer's columns) is offered to those layers only.
 """
