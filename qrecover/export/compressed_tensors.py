@@ -34,7 +34,6 @@ Online rotations (``r4+``, ``rot+`` on a tied head; the manifest's ``transforms.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -103,8 +102,8 @@ def export_compressed_tensors(ckpt: Checkpoint, tmp: Path, spec: tuple[int, int]
     for p, ref in zip(dense, [layout_dequantize(layouts[n]) for n in layouts if n not in targets]):
         p.data = ref
     model.config.dtype = torch.float16
+    transforms = _attach_transforms(model, inputs, compressor) if inputs else None
     model.save_pretrained(tmp)
-    transforms = _write_transforms(tmp, inputs, compressor) if inputs else None
     compressor.update_config(str(tmp))
     AutoTokenizer.from_pretrained(ckpt.path).save_pretrained(tmp)
     if (ckpt.path / "generation_config.json").is_file():
@@ -145,16 +144,16 @@ def online_transforms(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]
     return untie, inputs
 
 
-def _write_transforms(tmp: Path, inputs: dict[str, Any], compressor: Any) -> dict[str, Any]:
-    """Add the online input rotations to the written model: one ``random-hadamard`` scheme per distinct rotation in
-    the compressor's transform config, its matrix (times ``sqrt(n)``) stored once under its first module's name."""
+def _attach_transforms(model: Any, inputs: dict[str, Any], compressor: Any) -> dict[str, Any]:
+    """Put the online input rotations in the compressor's transform config (one ``random-hadamard`` scheme per distinct
+    rotation) and their matrices (times ``sqrt(n)``) in the model, once each, as the ``weight`` of a ``<key>_input``
+    child of the scheme's first module, where compressed-tensors and vLLM name a transform's weight."""
     from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
-    from safetensors.torch import load_file, save_file
 
     groups: dict[tuple, list[str]] = {}
     for name, spec in inputs.items():
         groups.setdefault((int(spec["size"]), spec["kind"], int(spec["seed"])), []).append(name)
-    schemes, tensors, report = {}, {}, {}
+    schemes, report = {}, {}
     for i, ((size, kind, seed), names) in enumerate(sorted(groups.items())):
         key = "R4" if i == 0 else f"R4_{i}"
         schemes[key] = TransformScheme(type="random-hadamard", apply=[
@@ -163,18 +162,11 @@ def _write_transforms(tmp: Path, inputs: dict[str, Any], compressor: Any) -> dic
         ])
         m = rotation(size, kind, seed) * size ** 0.5
         exact = bool(torch.equal(m.half().double(), m))
-        tensors[f"{names[0]}.{key}_input.weight"] = (m.half() if exact else m.float()).contiguous()
+        holder = torch.nn.Module()
+        holder.register_buffer("weight", (m.half() if exact else m.float()).contiguous())
+        model.get_submodule(names[0]).add_module(f"{key}_input", holder)
         report[key] = {"type": "random-hadamard", "size": size, "kind": kind, "modules": len(names),
                        "stored": f"{names[0]}.{key}_input.weight", "dtype": "float16" if exact else "float32"}
-    index = tmp / "model.safetensors.index.json"
-    if index.is_file():  # a sharded model: the transforms in a shard of their own, listed in the index
-        save_file(tensors, str(tmp / "model-transforms.safetensors"), metadata={"format": "pt"})
-        data = json.loads(index.read_text())
-        data["weight_map"].update({k: "model-transforms.safetensors" for k in tensors})
-        index.write_text(json.dumps(data, indent=2) + "\n")
-    else:
-        state = load_file(str(tmp / WEIGHTS_FILE))
-        save_file({**state, **tensors}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     compressor.transform_config = TransformConfig(config_groups=schemes)
     return report
 
