@@ -78,20 +78,40 @@ TEXTS = (*HELD_OUT, "alpaca_eval", "python-docs")  # scored for every row; the w
 _PREPARED: list = []  # the one calibration (api.prepare), kept for the equal-size references made after the rows
 
 
-def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
-    """One calibration per process, one checkpoint per budget; reused when a checkpoint with the same config exists."""
+#: the default menu before GPTQ's range search joined it (2026-11-27): the base of the recover-tune* rows
+FORMER_MENU = ("palettize:2/refit=2,palettize:3/refit=2,palettize:4/refit=2,palettize:2/b192/block_fit=nearest/refit=2,"
+               "palettize:3/b192/block_fit=nearest/refit=2,palettize:4/b192/block_fit=nearest/refit=2,gptq:3/g64,gptq:4/g64")
+
+
+def menu(cfg: CompressConfig) -> list[str]:
+    """The decoder layers' candidate encodings of ``cfg`` as the manifest records them (``budget.encodings``)."""
+    from qrecover.stages.specs import linear_encodings
+
+    return [e.label for e in linear_encodings(cfg.scheme, cfg.bits, cfg.scheme_params, cfg.encodings)]
+
+
+def checkpoints(out: Path, budgets: list[float], encodings: str | None = None) -> dict[float, Path]:
+    """One calibration per process, one checkpoint per budget (``encodings``: the menu, default the compress
+    default); reused when a checkpoint with the same config exists."""
     paths, todo = {}, []
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
-        cfg = CompressConfig(bpw=bpw)
-        # a field added to CompressConfig since the checkpoint was written is equal when it holds its default
-        if (d / "qrecover.json").exists() and {**CompressConfig().to_dict(), **read_manifest(d)["config"]} == cfg.to_dict():
+        cfg = CompressConfig(bpw=bpw, encodings=encodings)
+
+        def same(m: dict) -> bool:
+            # a field added to CompressConfig since the checkpoint was written is equal when it holds its default; the
+            # menus are compared expanded (labels): a preset whose specs changed under the same name is not reused
+            fields = {**CompressConfig().to_dict(), **m["config"]}
+            return ({k: v for k, v in fields.items() if k != "encodings"} == {k: v for k, v in cfg.to_dict().items() if k != "encodings"}
+                    and m["budget"]["encodings"] == menu(cfg))
+
+        if (d / "qrecover.json").exists() and same(read_manifest(d)):
             paths[bpw] = d
         else:
             todo.append((bpw, d, cfg))
     if todo:
         if not _PREPARED:
-            _PREPARED.append(api.prepare(CompressConfig(bpw=todo[0][0])))
+            _PREPARED.append(api.prepare(CompressConfig(bpw=todo[0][0], encodings=encodings)))
         for bpw, d, cfg in todo:
             api.compress(cfg, out=d, overwrite=True, prepared=_PREPARED[0])
             paths[bpw] = d
@@ -105,7 +125,8 @@ def checkpoints(out: Path, budgets: list[float]) -> dict[float, Path]:
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = "BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:params=A+B][@TOKENS]"
+RUN_GRAMMAR = ("BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:blocks=N][:params=A+B]"
+              "[@TOKENS]")
 MIXES = ROOT / "benchmarks" / "mixes"  # ':mix=NAME' trains on benchmarks/mixes/NAME.toml (or a .toml path)
 
 
@@ -128,7 +149,7 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
         body, _, n = item.partition("@")
         parts = body.split(":")
         run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
-               "rank_allocation": "uniform", "mix": None, "tune": None, "params": None}
+               "rank_allocation": "uniform", "mix": None, "tune": None, "params": None, "blocks": 0}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -146,6 +167,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                 run["mix"], rest = rest[0][4:], rest[1:]
             elif rest[0] == "tune" or (rest[0].startswith("tune=") and rest[0][5:].isdigit()):  # tune first (tune_rows.py)
                 run["tune"], rest = int(rest[0][5:]) if "=" in rest[0] else (int(n) if n else tokens), rest[1:]
+            elif rest[0].startswith("blocks=") and rest[0][7:].isdigit():  # block-wise reconstruction first (tune_rows.py)
+                run["blocks"], rest = int(rest[0][7:]), rest[1:]
             elif rest[0].startswith("params=") and rest[0][7:]:
                 run["params"], rest = rest[0][7:].replace("+", ","), rest[1:]
             elif rest[0].startswith("head=") and rest[0][5:].isdigit():
@@ -157,7 +180,7 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                     ok = False
             else:
                 ok = False
-        if ok and int(parts[2]) == 0 and run["tune"] is None:
+        if ok and ((int(parts[2]) == 0 and run["tune"] is None) or (run["tune"] == 0 and not run["blocks"])):
             ok = False  # rank 0 is the tuned checkpoint alone
         if not ok:
             sys.exit(f"--runs item {item!r}: expected {RUN_GRAMMAR}, e.g. 3.5:kd:16, 3.5:kd:16:top:70, "
@@ -176,7 +199,8 @@ def run_name(r: dict) -> str:
             + ("" if r.get("schedule", "cosine") == "cosine" else f"-{r['schedule']}")
             + ("" if r.get("rank_allocation", "uniform") == "uniform" else "-damage")
             + ("" if not r.get("mix") else f"-mix{Path(r['mix']).stem}")
-            + ("" if not r.get("tune") else f"-tune{r['tune']}" + ("" if not r.get("params") else "-" + r["params"].replace(",", "+")))
+            + ("" if r.get("tune") is None else f"-tune{r['tune']}" + ("" if not r.get("blocks") else f"-blocks{r['blocks']}")
+               + ("" if not r.get("params") else "-" + r["params"].replace(",", "+")))
             + f"-{r['tokens']}tok")
 
 
@@ -214,6 +238,9 @@ def main() -> None:
     ap.add_argument("--references", default="",
                     help="comma-separated --bpw budgets of adapter-free checkpoints to score first (before the rows), e.g. "
                          "4.081,3.79; the rows' own total sizes are added at the end unless --no-references")
+    ap.add_argument("--base-encodings", default=None,
+                    help="the base checkpoints' candidate menu (compress --encodings; default: the compress default). "
+                         f"The former default (before GPTQ's range search, the rows of 2026-11-26/27): {FORMER_MENU}")
     ap.add_argument("--no-speed", action="store_true", help="skip the cached-vs-uncached base path measurement")
     ap.add_argument("--name", default="recover", help="report file stem: reports/NAME.md and NAME.json")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "recover"))
@@ -235,7 +262,7 @@ def main() -> None:
 
     original = ppl(teacher)
     print("original", original, flush=True)
-    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}))
+    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}), args.base_encodings)
     quantized, bpw = {}, {}
     for b, d in ckpts.items():
         m = api.load(d, cache=True)
@@ -251,7 +278,7 @@ def main() -> None:
 
     def score_references(budgets: list[float]) -> None:
         """The adapter-free checkpoint of each total size, scored (and compared with the smallest base budget)."""
-        for b, d in checkpoints(out, [x for x in budgets if str(x) not in references]).items():
+        for b, d in checkpoints(out, [x for x in budgets if str(x) not in references], args.base_encodings).items():
             m = api.load(d, cache=True)
             p = ppl(m)
             references[str(b)] = {"bpw": b, "measured_bpw": m.qrecover_manifest["measured_bpw"]["model"], "ppl": p,
@@ -272,7 +299,7 @@ def main() -> None:
         b, objective, rank, targets, init, n_tokens = (run[k] for k in ("bpw", "objective", "rank", "targets", "init", "tokens"))
         milestones = sorted({round(f * n_tokens) for f in points if 0 < f < 1})
         base, tuned = ckpts[b], None
-        if run["tune"]:  # the checkpoint tuned end to end first (tune_rows.py); rank 0: that checkpoint alone
+        if run["tune"] is not None:  # the checkpoint tuned end to end first (tune_rows.py); rank 0: that checkpoint alone
             tcfg = tune_config(run, seq_len, None if run["mix"] is None else str(mix_path(run["mix"])))
             if rank == 0:
                 rows.append(tune_alone(run_name(run), run, tcfg, ckpts[b], bpw[b]["model"], out, teacher, ppl, gap, points))
@@ -366,7 +393,11 @@ def _init(row: dict) -> str:
 
 def _adapter(r: dict) -> str:
     t = r.get("tune")
-    tuned = "" if not t else f"tuned {'+'.join(t['params'])} on {t['tokens']:,} tok" + (", then " if r["rank"] else "")
+    b = (t or {}).get("blocks")
+    tuned = "" if not t else (f"tuned {'+'.join(t['params'])}"
+                              + ("" if not b else f" block-wise on {b['tokens']:,} tok x {b['epochs']} (lr {b['lr']:g})")
+                              + ("" if not t["tokens"] else (" then end to end" if b else "") + f" on {t['tokens']:,} tok")
+                              + (", then " if r["rank"] else ""))
     if not r["rank"]:
         return tuned + " (no adapter, zero extra bytes)"
     return tuned + (f"{r['objective']} r{r['rank']} " + ("" if r["targets"] == "all" else r["targets"] + " ")
@@ -421,7 +452,7 @@ def write_report(report: Path, name: str, original, quantized, bpw, rows, refere
             f"{r['adapter_mb']:.2f} | {r['adapter_bpw_cost']:.3f} | {total:.3f} | {f['tokens']:,} | {_each(f['ppl'])} | "
             f"{_each(f['gap_closed'], '{:.0f}%', 100)} | **{100 * f['gap_closed']['worst']:.0f}%** | "
             f"{'-' if ref is None else _each(ref['ppl'])} | {beats} | "
-            f"{r['tok_per_s']:.0f} | {r.get('wall_seconds', 0) / 60:.1f} | "
+            + ("-" if r.get("tok_per_s") is None else f"{r['tok_per_s']:.0f}") + f" | {r.get('wall_seconds', 0) / 60:.1f} | "
             + ("-" if r.get("cpu_seconds") is None else f"{r['cpu_seconds'] / 60:.1f}") + " |")
     if references:
         lines += ["", "## Adapter-free references (`qrecover compress --bpw B`, the compress defaults)", "",

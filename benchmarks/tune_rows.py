@@ -5,6 +5,8 @@
 ``3.5:kd:16:tune=32768@65536``   tuned on 32k tokens, then a rank-16 adapter on 65k tokens on the tuned checkpoint
 ``:params=tables+scales``        what trains (TuneConfig.params, '+' for ','); default: TuneConfig's
 ``3.5:kd:0:tune:lr=1e-4@16384``  with rank 0, ':lr=' is the tuning's learning rate (else the adapter's)
+``3.5:kd:0:tune=0:blocks=32768@32768``  block-wise reconstruction on 32k tokens alone (TuneConfig.block_tokens), no
+                                 end-to-end pass; ``tune=32768:blocks=32768`` both
 
 A tuned checkpoint is cached in OUT/tuned-<source>-<params>-<tokens>tok and reused when its manifest records the same
 config and source weights.
@@ -24,7 +26,7 @@ from qrecover.recovery.tune import TuneConfig, tune
 
 def tune_config(run: dict, seq_len: int, mix: str | None) -> TuneConfig:
     """The row's tuning config: ``run["tune"]`` tokens, ``run["params"]`` (None: the default), the row's data mix."""
-    return TuneConfig(tokens=run["tune"], seq_len=seq_len, checkpoint_every=0, mix=mix,
+    return TuneConfig(tokens=run["tune"], seq_len=seq_len, checkpoint_every=0, mix=mix, block_tokens=run.get("blocks", 0),
                       **({} if run.get("params") is None else {"params": run["params"]}),
                       **({"lr": run["lr"]} if run["rank"] == 0 and run.get("lr") is not None else {}))
 
@@ -33,7 +35,8 @@ def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
                callback: Callable[[dict], None] | None = None) -> tuple[Path, dict]:
     """``(tuned checkpoint, record)``: ``ckpt`` tuned with ``cfg`` (reused when already there); the record holds the
     tuning's tokens, training and CPU seconds and what fp16 rounding cost."""
-    d = out / f"tuned-{ckpt.name}-{cfg.params.replace(',', '+')}-{cfg.tokens}tok"
+    d = out / (f"tuned-{ckpt.name}-{cfg.params.replace(',', '+')}-{cfg.tokens}tok"
+               + (f"-blocks{cfg.block_tokens}" if cfg.block_tokens else ""))
     source = read_manifest(ckpt)["weights_file"]["sha256"]
     done = (d / "qrecover.json").is_file() and (d / "bench_cpu.json").is_file() and read_manifest(d).get("tuning", {})
     if done and done["config"] == cfg.to_dict() and done["source"]["weights_sha256"] == source and callback is None:
@@ -44,7 +47,10 @@ def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
         t = tune(ckpt, d, cfg, overwrite=True, teacher=teacher, callback=callback)["tuning"]
         t["cpu_seconds"] = time.process_time() - cpu
         (d / "bench_cpu.json").write_text(json.dumps({"cpu_seconds": t["cpu_seconds"]}))
-    return d, {"params": t["params"], "tokens": t["tokens"], "seconds": t["training"]["seconds"],
+    blocks = t.get("blocks")
+    return d, {"params": t["params"], "tokens": t["tokens"], "seconds": t["training"]["seconds"] + (blocks or {}).get("seconds", 0),
+               "blocks": None if not blocks else {k: blocks[k] for k in ("tokens", "epochs", "lr", "seconds", "mean_error_before",
+                                                                           "mean_error_after")},
                "tok_per_s": t["training"]["tok_per_s"], "cpu_seconds": t.get("cpu_seconds"), "rounding": t["rounding"],
                "path": str(d)}
 

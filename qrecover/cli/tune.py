@@ -21,6 +21,8 @@ EXAMPLES = """Examples:
 
   qrecover tune CKPT --out out/tuned --resume                                     # continue an interrupted run
 
+  qrecover tune CKPT --out out/tuned --block-tokens 32768                         # block-wise reconstruction first
+
   accelerate launch -m qrecover.cli tune CKPT --out out/tuned --tokens 10000000   # data parallel on several GPUs
 
   qrecover recover out/tuned --out out/tuned-lora                                 # adapters on the tuned checkpoint
@@ -33,7 +35,8 @@ The tuned checkpoint has the source's exact byte count (codes frozen, tables/sca
 # the training options are TuneConfig fields (qrecover.cli.config_options): their defaults and help texts
 @config_command(TuneConfig, only=("params", "tokens", "objective", "lr", "schedule", "seq_len", "batch_size", "grad_accum",
                                   "checkpoint_every", "gradient_checkpointing", "precision", "decontaminate", "loss_chunk",
-                                  "teacher_device", "rounding_windows", "seed"))
+                                  "teacher_device", "rounding_windows", "block_tokens", "block_epochs",
+                                  "block_lr", "seed"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory of the tuned checkpoint (a new checkpoint of the same format)."),
@@ -60,9 +63,11 @@ def tune(
         return
     from rich.markup import escape
 
-    r = t["rounding"]
+    r, b, loss = t["rounding"], t.get("blocks"), t["training"]["final_loss"]
     console.print(f"[bold]{escape(str(out))}[/]: tuned {', '.join(t['params'])} ({t['trainable_values']:,} values in "
-                  f"{t['layers']} packed layers and {t['norms']} norms) on {t['tokens']:,} tokens in "
-                  f"{t['training']['seconds']:.0f} s, final loss {t['training']['final_loss']:.4f}; "
-                  f"{manifest['bytes']['file']:,} bytes as the source"
+                  f"{t['layers']} packed layers and {t['norms']} norms)"
+                  + ("" if not b else f"; block-wise on {b['tokens']:,} tokens x {b['epochs']} epochs in {b['seconds']:.0f} s, "
+                     f"mean block output error {b['mean_error_before']:.4f} -> {b['mean_error_after']:.4f}")
+                  + ("" if not t["tokens"] else f"; end to end on {t['tokens']:,} tokens in {t['training']['seconds']:.0f} s, "
+                     f"final loss {loss:.4f}") + f"; {manifest['bytes']['file']:,} bytes as the source"
                   + ("" if r is None else f"; fp16 rounding: ppl {r['ppl_fp32_masters']:.4f} -> {r['ppl_rounded']:.4f}"))

@@ -102,9 +102,10 @@ def _check_out(out: Path, overwrite: bool, resume: bool) -> None:
 
 
 @contextlib.contextmanager
-def _run_dir(out: Path, overwrite: bool, resume: bool, check: Callable[[Path, bool, bool], None] = _check_out) -> Iterator[None]:
+def _run_dir(out: Path, overwrite: bool, resume: bool, check: Callable[[Path, bool, bool], None] = _check_out,
+             resumable: Callable[[Path], bool] = lambda out: latest_checkpoint(out) is not None) -> Iterator[None]:
     """``out`` ready for a run; on any failure (Ctrl-C included) the half-written export goes, and so does
-    ``out`` itself when this call created it and no resumable checkpoint was written.
+    ``out`` itself when this call created it and nothing ``resumable`` (a checkpoint) was written.
 
     Under ``accelerate launch``/``torchrun`` every process checks ``out`` before the main one (rank 0, on the
     shared filesystem) changes anything; only the main process creates, clears or writes there."""
@@ -122,7 +123,7 @@ def _run_dir(out: Path, overwrite: bool, resume: bool, check: Callable[[Path, bo
     except BaseException:
         if procs.is_main_process:
             shutil.rmtree(out / EXPORT, ignore_errors=True)
-            if created and latest_checkpoint(out) is None:
+            if created and not resumable(out):
                 shutil.rmtree(out, ignore_errors=True)
         raise
 

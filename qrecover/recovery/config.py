@@ -98,7 +98,7 @@ class RecoverConfig(DictConfig):
     def validate(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise QRecoverError(f"--rank {self.rank!r} must be a positive integer, e.g. --rank 16")
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < (0 if self.other_training() else 1):
             raise QRecoverError(f"--tokens {self.tokens!r} must be a positive number of training tokens, e.g. --tokens 65536")
         if self.objective not in OBJECTIVES:
             raise QRecoverError(f"--objective {self.objective!r} must be one of {', '.join(OBJECTIVES)}")
@@ -148,6 +148,10 @@ class RecoverConfig(DictConfig):
             if not self.targets.startswith("top:") or not n.isdigit() or int(n) <= 0:
                 raise QRecoverError(f"--targets {self.targets!r} must be 'all' or 'top:N' with N > 0, e.g. top:60")
 
+    def other_training(self) -> bool:
+        """Whether something else trains besides the ``tokens`` loop (then ``tokens`` may be 0)."""
+        return False
+
     @property
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step on one process."""
@@ -182,6 +186,12 @@ class TuneConfig(RecoverConfig):
     # windows of seq_len tokens of the python-docs 'eval' split, scored with the fp32 masters and after rounding them
     # to fp16 (what rounding costs)
     rounding_windows: int = doc_field(4, "held-out windows scored before and after rounding the masters to fp16 (0: not measured)")
+    # block-wise reconstruction first (qrecover/recovery/blocks.py): each decoder block's output fitted to the
+    # unquantized block's, one block at a time, on windows of the same data; then the end-to-end pass on --tokens
+    block_tokens: int = doc_field(0, "tokens of block-wise reconstruction before the end-to-end pass (each block's output "
+                                  "fitted to the unquantized block's, docs/tune.md); 0 = none. With it --tokens may be 0")
+    block_epochs: int = doc_field(2, "passes over the block-wise windows")
+    block_lr: float = doc_field(1e-3, "peak learning rate of the block-wise pass (row units, as --lr)")
 
     def validate(self) -> None:
         super().validate()
@@ -194,6 +204,17 @@ class TuneConfig(RecoverConfig):
                                 "shard them; tune data parallel (one whole copy per process) instead")
         if self.rounding_windows < 0:
             raise QRecoverError(f"--rounding-windows {self.rounding_windows} must be >= 0")
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 0 or (
+                0 < self.block_tokens < self.seq_len):
+            raise QRecoverError(f"--block-tokens {self.block_tokens!r} must be 0 (none) or at least one window of --seq-len "
+                                f"{self.seq_len} tokens, e.g. --block-tokens 32768")
+        if isinstance(self.block_epochs, bool) or not isinstance(self.block_epochs, int) or self.block_epochs <= 0:
+            raise QRecoverError(f"--block-epochs {self.block_epochs!r} must be a positive integer, e.g. --block-epochs 2")
+        if not self.block_lr > 0:
+            raise QRecoverError(f"--block-lr {self.block_lr} must be positive, e.g. --block-lr 1e-3")
+
+    def other_training(self) -> bool:
+        return isinstance(self.block_tokens, int) and self.block_tokens > 0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -36,19 +36,35 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import MANIFEST, read_manifest
+from ..adapters.svd_init import init_device
+from ..checkpoint import MANIFEST, read_manifest, source_model_spec
+from ..data.mix_recipe import Mix
 from ..errors import QRecoverError
 from ..evaluate.perplexity import perplexity
-from ..io_utils import sha256_file, write_text_atomic
+from ..io_utils import atomic_file, sha256_file, write_text_atomic
 from ..loading import load
 from ..qlinear import _Packed
 from ..stages.write import measure_bpw
-from .api import CHECKPOINTS, RUN_FILE, _is_main_process, _require_checkpoint, _run_dir, check_training_inputs, load_teacher, train_on_data
+from .api import (
+    CHECKPOINTS,
+    RUN_FILE,
+    _is_main_process,
+    _make_loader,
+    _require_checkpoint,
+    _run_dir,
+    check_training_inputs,
+    load_teacher,
+    train_on_data,
+)
+from .blocks import reconstruct_blocks
 from .config import PARAM_KINDS, TuneConfig
+from .objective import place_teacher
+from .train import latest_checkpoint
 
 #: the continuous stored tensor of each scheme and the --params kind it belongs to in a linear layer
 CONTINUOUS = {"palettize": ("lut", "tables"), "blockwise": ("scale", "scales"), "gptq": ("scale", "scales")}
 EXPORT = ".export"  # the checkpoint files while they are written, moved into OUT at the end
+BLOCKS_FILE = "blocks.pt"  # the block-wise pass's result (trainable tensors + record), so that --resume skips it
 
 
 # --- what trains: from the manifest alone (no model) ---------------------------------------------------------
@@ -109,6 +125,36 @@ def tuned_tensors(model: nn.Module, layers: dict[str, tuple[str, ...]], norms: l
         dtype = getattr(torch, manifest["remainder"][n]["dtype"])
         out[n] = model.get_parameter(n).detach().to("cpu", dtype).contiguous()
     return out
+
+
+def block_phase(model: nn.Module, teacher: nn.Module, tokenizer: Any, cfg: TuneConfig, mix: Any, manifest: dict[str, Any],
+                out: Path, resume: bool, show_progress: bool) -> tuple[dict[str, Any], Any]:
+    """``(record, loader)``: the block-wise reconstruction (:mod:`.blocks`) of ``model``'s trainable tensors on
+    ``cfg.block_tokens`` tokens of the tuning data, saved to ``OUT/blocks.pt``; with ``resume`` a saved result is loaded
+    instead (``loader`` None then)."""
+    path = out / BLOCKS_FILE
+    if resume and path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for k, v in saved["params"].items():
+                params[k].copy_(v)
+        return saved["record"], None
+    loader = _make_loader(cfg, tokenizer, cfg.block_tokens, mix if isinstance(mix, Mix) else None,
+                          generator=teacher if teacher is not None else source_model_spec(manifest), show_progress=show_progress)
+    n = cfg.block_tokens // cfg.seq_len
+    windows = torch.stack([seq["input_ids"] for _, seq in zip(range(n), loader)])
+    device = init_device()
+    place_teacher(teacher, device, "no")
+    model.to(device)
+    record = reconstruct_blocks(model, teacher, windows, cfg.block_epochs, cfg.block_lr, cfg.warmup, cfg.min_lr_ratio,
+                                cfg.max_grad_norm, device, show_progress)
+    record["data"] = cfg.mix or "the shipped default mix"
+    if _is_main_process():
+        state = {k: p.detach().cpu() for k, p in model.named_parameters() if p.requires_grad}
+        with atomic_file(path) as tmp:
+            torch.save({"params": state, "record": record}, tmp)
+    return record, loader
 
 
 # --- writing the tuned checkpoint ------------------------------------------------------------------------
@@ -188,32 +234,42 @@ def tune(checkpoint: str | Path, out: str | Path, cfg: TuneConfig | None = None,
         raise QRecoverError(f"--out {str(out)!r} is the checkpoint being tuned; pass another directory")
     mix = check_training_inputs(cfg, source, manifest, teacher is None and cfg.objective != "ce",
                                 f"--objective {cfg.objective}", teacher is None)
-    with _run_dir(out, overwrite, resume, check=_check_out):
+    with _run_dir(out, overwrite, resume, check=_check_out,
+                  resumable=lambda d: latest_checkpoint(d) is not None or (d / BLOCKS_FILE).is_file()):
         if _is_main_process():
             write_text_atomic(out / RUN_FILE, json.dumps({"status": "tuning", "checkpoint": str(source), "config": cfg.to_dict(),
                                                           "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
         model = load(source, cache=cfg.cache_dequantized)
         tokenizer = AutoTokenizer.from_pretrained(source)
-        if cfg.objective != "ce" and teacher is None:
+        if (cfg.objective != "ce" or cfg.block_tokens) and teacher is None:
             teacher = load_teacher(manifest)
         trainable = make_tunable(model, layers, norms)
-        summary, loader = train_on_data(model, cfg, tokenizer, mix, manifest, out, teacher, resume, show_progress, callback,
-                                        f"tune {cfg.params}")
+        blocks, loader = block_phase(model, teacher, tokenizer, cfg, mix, manifest, out, resume, show_progress) \
+            if cfg.block_tokens else (None, None)
+        if cfg.tokens:
+            summary, loader = train_on_data(model, cfg, tokenizer, mix, manifest, out, teacher, resume, show_progress,
+                                            callback, f"tune {cfg.params}")
+        else:  # block-wise only
+            summary = {"steps": 0, "tokens": 0, "final_loss": None, "seconds": 0.0, "tok_per_s": None, "history": [],
+                       "is_main_process": _is_main_process()}
         if not summary["is_main_process"]:
             return {}
         tensors, rounding = _rounding_cost(model, tokenizer, cfg, lambda: tuned_tensors(model, layers, norms, manifest))
         training = {k: v for k, v in summary.items() if k not in ("history", "model", "is_main_process")}
         record = {"params": list(cfg.kinds), "layers": len(layers), "norms": len(norms), "trainable_values": trainable,
                   "tensors": sorted(tensors), "data": cfg.mix or "the shipped default mix", "tokens": summary["tokens"],
-                  "objective": cfg.objective, "config": cfg.to_dict(), "training": training, "rounding": rounding,
+                  "objective": cfg.objective, "config": cfg.to_dict(), "training": training, "blocks": blocks,
+                  "rounding": rounding,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         with open(out / "train_log.jsonl", "w") as f:
             for row in summary["history"]:
                 f.write(json.dumps(row) + "\n")
-        write_text_atomic(out / "data_report.json", json.dumps(loader.report(), indent=1, default=str) + "\n")
+        if loader is not None:
+            write_text_atomic(out / "data_report.json", json.dumps(loader.report(), indent=1, default=str) + "\n")
         result = write_tuned(source, out, tensors, record)
         if not keep_checkpoints:
             shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+            (out / BLOCKS_FILE).unlink(missing_ok=True)
         (out / RUN_FILE).unlink(missing_ok=True)
         return result
 
