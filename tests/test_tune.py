@@ -182,7 +182,8 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tiny_ckpt, text_mix, tmp_pa
     assert [json.loads(x)["loss"] for x in log[0]] == [json.loads(x)["loss"] for x in log[1]]
 
 
-def test_block_wise_reconstruction_lowers_every_blocks_output_error_and_keeps_the_bytes(tiny_ckpt, text_mix, tmp_path):
+def test_block_wise_reconstruction_lowers_every_blocks_output_error_and_keeps_the_bytes(tiny_ckpt, text_mix, tmp_path, capsys,
+                                                                                       monkeypatch):
     manifest = _tuned(tiny_ckpt, tmp_path / "blocks", text_mix, tokens=0, block_tokens=64 * 4, block_epochs=3, block_lr=3e-3)
     b = manifest["tuning"]["blocks"]
     assert b["tokens"] == 64 * 4 and b["windows"] == 4 and b["steps"] == len(b["per_block"]) * 3 * 4
@@ -194,6 +195,9 @@ def test_block_wise_reconstruction_lowers_every_blocks_output_error_and_keeps_th
     assert (tmp_path / "blocks" / "blocks.pt").is_file()  # (keep_checkpoints=True; removed with the checkpoints otherwise)
     ids = torch.arange(1, 33).unsqueeze(0)
     assert not torch.equal(load(tiny_ckpt)(ids).logits, load(tmp_path / "blocks")(ids).logits)
+    monkeypatch.setenv("COLUMNS", "400")
+    code, out, err = cli(["info", tmp_path / "blocks"], capsys)
+    assert code == 0 and "block-wise on 256 tokens x 3" in out + err and "end to end on 0 tokens" in out + err
 
 
 def test_block_wise_result_is_kept_for_resume(tiny_ckpt, text_mix, tmp_path):

@@ -66,8 +66,11 @@ def info(
     t.add_row("calibration", f"{c['source']} split {c['split']}: {c['windows']} x {c['seq_len']} tokens{loss}")
     t.add_row("created", f"{m.get('created')} in {m.get('seconds')} s with {m['versions']}")
     if m.get("tuning"):
-        tu, r = m["tuning"], m["tuning"].get("rounding")
-        t.add_row("tuned", f"{', '.join(tu['params'])} ({tu['trainable_values']:,} values) on {tu['tokens']:,} tokens of "
+        tu, r, b = m["tuning"], m["tuning"].get("rounding"), m["tuning"].get("blocks")
+        t.add_row("tuned", f"{', '.join(tu['params'])} ({tu['trainable_values']:,} values) "
+                  + ("" if not b else f"block-wise on {b['tokens']:,} tokens x {b['epochs']} (block output error "
+                     f"{b['mean_error_before']:.4f} -> {b['mean_error_after']:.4f}), then ")
+                  + f"end to end on {tu['tokens']:,} tokens of "
                   f"{tu['data']} ({tu['objective']}) from {tu['source']['path']} (weights sha256 "
                   f"{tu['source']['weights_sha256'][:12]}…), codes frozen, same bytes"
                   + ("" if r is None else f"; fp16 rounding: ppl {r['ppl_fp32_masters']:.3f} -> {r['ppl_rounded']:.3f}"))
