@@ -90,6 +90,17 @@ def menu(cfg: CompressConfig) -> list[str]:
     return [e.label for e in linear_encodings(cfg.scheme, cfg.bits, cfg.scheme_params, cfg.encodings)]
 
 
+def made_with(manifest: dict, cfg: CompressConfig) -> bool:
+    """Whether the checkpoint of ``manifest`` was made with ``cfg``: a field added to CompressConfig since it was written
+    is equal when it holds its default; the menus are compared expanded (labels), so a preset whose specs changed under
+    the same name does not match."""
+    def rest(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k != "encodings"}
+
+    return (rest({**CompressConfig().to_dict(), **manifest["config"]}) == rest(cfg.to_dict())
+            and manifest["budget"]["encodings"] == menu(cfg))
+
+
 def checkpoints(out: Path, budgets: list[float], encodings: str | None = None) -> dict[float, Path]:
     """One calibration per process, one checkpoint per budget (``encodings``: the menu, default the compress
     default); reused when a checkpoint with the same config exists."""
@@ -97,15 +108,7 @@ def checkpoints(out: Path, budgets: list[float], encodings: str | None = None) -
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
         cfg = CompressConfig(bpw=bpw, encodings=encodings)
-
-        def same(m: dict) -> bool:
-            # a field added to CompressConfig since the checkpoint was written is equal when it holds its default; the
-            # menus are compared expanded (labels): a preset whose specs changed under the same name is not reused
-            fields = {**CompressConfig().to_dict(), **m["config"]}
-            return ({k: v for k, v in fields.items() if k != "encodings"} == {k: v for k, v in cfg.to_dict().items() if k != "encodings"}
-                    and m["budget"]["encodings"] == menu(cfg))
-
-        if (d / "qrecover.json").exists() and same(read_manifest(d)):
+        if (d / "qrecover.json").exists() and made_with(read_manifest(d), cfg):
             paths[bpw] = d
         else:
             todo.append((bpw, d, cfg))

@@ -28,6 +28,7 @@ from qrecover.errors import QRecoverError
 from qrecover.export import export
 from qrecover.qlinear import QuantLinear
 from qrecover.recovery import objective
+from qrecover.recovery import tune as tune_module
 from qrecover.recovery.api import recover
 from qrecover.recovery.config import RecoverConfig
 from qrecover.recovery.train import latest_checkpoint
@@ -200,7 +201,7 @@ def test_block_wise_reconstruction_lowers_every_blocks_output_error_and_keeps_th
     assert code == 0 and "block-wise on 256 tokens x 3" in out + err and "end to end on 0 tokens" in out + err
 
 
-def test_block_wise_result_is_kept_for_resume(tiny_ckpt, text_mix, tmp_path):
+def test_block_wise_result_is_kept_for_resume(tiny_ckpt, text_mix, tmp_path, monkeypatch):
     """Interrupted in the end-to-end pass before its first checkpoint, the run keeps the block-wise result and a resume
     starts from it, ending with the bytes of an uninterrupted run."""
     kw = dict(block_tokens=64 * 2, block_epochs=1)
@@ -216,6 +217,11 @@ def test_block_wise_result_is_kept_for_resume(tiny_ckpt, text_mix, tmp_path):
     with pytest.raises(Crash):
         _tuned(tiny_ckpt, tmp_path / "cut", text_mix, callback=crash, **kw)
     assert (tmp_path / "cut" / "blocks.pt").is_file() and latest_checkpoint(tmp_path / "cut") is None
+
+    def not_again(*_a, **_k):
+        raise AssertionError("the resumed run reconstructed the blocks again instead of loading blocks.pt")
+
+    monkeypatch.setattr(tune_module, "reconstruct_blocks", not_again)
     manifest = _tuned(tiny_ckpt, tmp_path / "cut", text_mix, resume=True, **kw)
     assert manifest["tuning"]["blocks"]["per_block"] == read_manifest(tmp_path / "full")["tuning"]["blocks"]["per_block"]
     assert (tmp_path / "cut" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()

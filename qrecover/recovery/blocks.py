@@ -7,12 +7,12 @@ squared error between the quantized block's output and the unquantized block's:
 - the quantized block reads the outputs of the quantized blocks before it, already reconstructed, so each block can
   also absorb the error that reaches it (the unquantized block reads the unquantized model's own hidden states);
 - the windows are sequences of the tuning data (the same mix or prepared shards as the end-to-end pass);
-- ``epochs`` passes over them, one window per step, warm-up + cosine to ``min_lr_ratio`` (the end-to-end pass's
-  schedule shape), gradient clipping as configured.
+- ``block_epochs`` passes over them, one window per step, at ``block_lr`` under the end-to-end pass's schedule
+  (:func:`.schedule.lr_scheduler`: warm-up, then cosine or WSD) restarted for each block, gradient clipping as configured.
 
 The loss is per block: a dense signal (every hidden unit of every token) where the end-to-end pass has one
 distribution per token, and one block's backward at a time where the end-to-end pass needs the whole model's.
-Its cost is about ``epochs`` + 2 forwards and ``epochs`` backwards of the model on the windows, with no output head.
+Its cost is about ``block_epochs`` + 2 forwards and ``epochs`` backwards of the model on the windows, with no output head.
 
 Why not a library: llm-compressor and EfficientQAT reconstruct blocks for their own parameter types (weights,
 integer scales); here the parameters are the packed layers' masters, whose dequantize the model already runs.
@@ -23,7 +23,6 @@ end-to-end pass's DDP wrapper then broadcasts rank 0's parameters, so the proces
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from ..calibrate import capture_inputs, forward_layer
 from ..models import decoder_layers
 from ..progress import progress
+from .config import TuneConfig
+from .schedule import lr_scheduler
 
 
 def _mse(layer: nn.Module, x: torch.Tensor, kw: dict, target: torch.Tensor) -> torch.Tensor:
@@ -50,22 +51,12 @@ def _relative_error(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> fl
     return num / max(den, 1e-30)
 
 
-def _lr_at(step: int, steps: int, warmup: float, min_ratio: float) -> float:
-    """Warm-up then cosine to ``min_ratio``, as a factor of the peak lr (the end-to-end pass's shape)."""
-    n_warm = int(warmup * steps)
-    if step < n_warm:
-        return (step + 1) / n_warm
-    t = (step - n_warm) / max(steps - n_warm, 1)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def reconstruct_blocks(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, epochs: int, lr: float,
-                       warmup: float, min_lr_ratio: float, max_grad_norm: float, device: torch.device | str,
-                       show_progress: bool = True) -> dict[str, Any]:
+def reconstruct_blocks(student: nn.Module, teacher: nn.Module, windows: torch.Tensor, cfg: TuneConfig,
+                       device: torch.device | str, show_progress: bool = True) -> dict[str, Any]:
     """Train each decoder block of ``student`` (its parameters that require a gradient) to reproduce ``teacher``'s
     block outputs on ``windows`` (``(n, seq)`` token ids); see the module docstring. Returns the record: per block the
     relative output error ``sum ||y_q - y||^2 / sum ||y||^2`` before and after, steps and seconds."""
-    t0 = time.time()
+    t0, epochs, lr = time.time(), cfg.block_epochs, cfg.block_lr
     s_layers, t_layers = decoder_layers(student), decoder_layers(teacher)
     if len(s_layers) != len(t_layers):
         raise ValueError(f"student has {len(s_layers)} decoder layers, teacher {len(t_layers)}")
@@ -85,21 +76,18 @@ def reconstruct_blocks(student: nn.Module, teacher: nn.Module, windows: torch.Te
                 steps = epochs * len(windows) if params else 0
                 if params:
                     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+                    schedule = lr_scheduler(opt, cfg, steps)
                     order = torch.Generator().manual_seed(i)
-                    step = 0
                     for _ in range(epochs):
                         for j in torch.randperm(len(windows), generator=order).tolist():
-                            for g in opt.param_groups:
-                                g["lr"] = lr * _lr_at(step, steps, warmup, min_lr_ratio)
-                            loss = _mse(ls, xs[j], kws[j], yt[j])
-                            loss.backward()
-                            if max_grad_norm > 0:
-                                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                            _mse(ls, xs[j], kws[j], yt[j]).backward()
+                            if cfg.max_grad_norm > 0:
+                                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                             opt.step()
+                            schedule.step()
                             opt.zero_grad(set_to_none=True)
-                            step += 1
                             bar.advance(task)
-                    del opt
+                    del opt, schedule
                 else:
                     bar.advance(task, epochs * len(windows))
                 xs = forward_layer(ls, xs, kws)  # the next block's inputs: this block as reconstructed

@@ -147,8 +147,7 @@ def block_phase(model: nn.Module, teacher: nn.Module, tokenizer: Any, cfg: TuneC
     device = init_device()
     place_teacher(teacher, device, "no")
     model.to(device)
-    record = reconstruct_blocks(model, teacher, windows, cfg.block_epochs, cfg.block_lr, cfg.warmup, cfg.min_lr_ratio,
-                                cfg.max_grad_norm, device, show_progress)
+    record = reconstruct_blocks(model, teacher, windows, cfg, device, show_progress)
     record["data"] = cfg.mix or "the shipped default mix"
     if _is_main_process():
         state = {k: p.detach().cpu() for k, p in model.named_parameters() if p.requires_grad}
@@ -232,8 +231,8 @@ def tune(checkpoint: str | Path, out: str | Path, cfg: TuneConfig | None = None,
     source, manifest, layers, norms = check_tunable(checkpoint, cfg)
     if out.resolve() == source.resolve():
         raise QRecoverError(f"--out {str(out)!r} is the checkpoint being tuned; pass another directory")
-    mix = check_training_inputs(cfg, source, manifest, teacher is None and cfg.objective != "ce",
-                                f"--objective {cfg.objective}", teacher is None)
+    mix = check_training_inputs(cfg, source, manifest, teacher is None and (cfg.objective != "ce" or cfg.block_tokens > 0),
+                                f"--objective {cfg.objective} --block-tokens {cfg.block_tokens}", teacher is None)
     with _run_dir(out, overwrite, resume, check=_check_out,
                   resumable=lambda d: latest_checkpoint(d) is not None or (d / BLOCKS_FILE).is_file()):
         if _is_main_process():
