@@ -1,4 +1,4 @@
-"""Default-menu compression on a GPU (issue 23): ``compress --bpw 3.7`` (mixed-blocks, 32 x 512 calibration tokens,
+"""Default-menu compression on a GPU (issue 23): ``compress --bpw 3.7`` (rot-mixed-blocks, 32 x 512 calibration tokens,
 finalize on) of a Llama-3.2-1B-geometry and a Llama-3.1-8B-geometry model with random weights, timed stage by stage.
 
 On the GPU machine (one command; nothing to download: the models are built from the configs with random N(0, 0.02)
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 import qrecover.api  # noqa: E402  (the stage functions below are found in the modules it loads)
 from benchmarks.train_speed import LLAMA_1B  # noqa: E402  (the geometry the training benchmark measures)
-from qrecover.config import CompressConfig  # noqa: E402
+from qrecover.config import DEFAULT_ENCODINGS, CompressConfig  # noqa: E402
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "compress_gpu"
@@ -272,7 +272,7 @@ def main() -> None:
     report = {"device": gpu, "torch": torch.__version__, "budget_s": args.budget_s, "wall_s": round(wall, 1), "rows": rows,
               "command": "python benchmarks/compress_gpu.py " + " ".join(sys.argv[1:])}
     write_text_atomic(args.out / f"compress_gpu-{'tiny' if args.tiny else device.split(':')[0]}.json", json.dumps(report, indent=1))
-    print(f"\ncompress --bpw 3.7 (default menu, mixed-blocks), {calib} x {seq_len} calibration tokens, on {gpu} "
+    print(f"\ncompress --bpw 3.7 (default menu, {DEFAULT_ENCODINGS}), {calib} x {seq_len} calibration tokens, on {gpu} "
           f"(torch {torch.__version__}); whole run {wall:.0f} s" + (f" of a {args.budget_s:.0f} s budget" if args.budget_s else ""))
     print(table(rows))
 

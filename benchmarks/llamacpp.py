@@ -18,9 +18,10 @@ Setup (optional, not in CI: a source build of llama.cpp, 3 min 32 s measured on 
     python benchmarks/llamacpp.py --windows 4           # quicker (default 16 x 512 tokens)
 
 Default checkpoints (the default model): blockwise 4-bit symmetric in blocks of 32 with an 8-bit embedding (every
-layer exact in GGUF), and the default ``--bpw 3.7`` menu (``mixed-blocks``: palettized and 2/3-bit layers, which GGUF
-cannot hold and the export re-quantizes). One thread count for both runtimes (``--threads``, default: all cores),
-run one after the other. Prints a Markdown table; writes ``<out>/llamacpp.json``.
+layer exact in GGUF), and the default ``--bpw 3.7`` menu (``rot-mixed-blocks`` since 2026-11-27: palettized and
+2/3-bit layers, which GGUF cannot hold and the export re-quantizes, and a tied head written untied). One thread
+count for both runtimes (``--threads``, default: all cores), run one after the other. Prints a Markdown table;
+writes ``<out>/llamacpp.json``.
 """
 
 from __future__ import annotations

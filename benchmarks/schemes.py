@@ -119,6 +119,8 @@ ROWS: dict[str, dict] = {
                          "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "mixed-blocks-3.7-mse": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true/mse=true,"
                              "gptq:4/g64/act_order=true/mse=true", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
+    # the default since 2026-11-27 (fifth session)
+    "rot-mixed-blocks-3.7-mse": {"kind": "qrecover", "encodings": "rot-mixed-blocks", "bpw": 3.7, "embedding": "auto"},
     "rotr4-mixed-blocks-3.7-mse": {"kind": "qrecover", "encodings": "rot+r4+" + PAL_BLOCKS + ",gptq:3/g64/act_order=true/mse=true,"
                                    "gptq:4/g64/act_order=true/mse=true", "bpw": 3.7, "embedding": "auto", "scheme_params": ["refit=2"]},
     "mixed-blocks-3.7-calibmix": {"kind": "qrecover", "encodings": PAL_BLOCKS + ",gptq:3/g64/act_order=true,gptq:4/g64/act_order=true",

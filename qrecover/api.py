@@ -49,6 +49,7 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
         check_budget_early(cfg, lin_encs, emb_encs)
         prepared = prepare(cfg, show_progress, lazy=lazy)
     p = prepared
+    lin_encs, emb_encs = encodings_of(cfg, p.model)  # as prepare resolved them on the model it loaded
     emb_want = check_reusable(p, cfg, lin_encs, emb_encs)
 
     # stage allocate: one candidate per unit within the budget

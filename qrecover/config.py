@@ -11,8 +11,8 @@ from .fields import DictConfig, doc_field
 
 #: The menu of ``qrecover compress`` when no ``--encodings``, ``--scheme`` or ``--bits`` is given, a preset of
 #: :data:`qrecover.stages.specs.PRESETS` (until 2026-11-24: ``afm``, which configurations written then name explicitly
-#: as ``scheme``/``bits``; then ``afm-blocks`` for a day).
-DEFAULT_ENCODINGS = "mixed-blocks"
+#: as ``scheme``/``bits``; then ``afm-blocks`` for a day, then ``mixed-blocks`` until 2026-11-27).
+DEFAULT_ENCODINGS = "rot-mixed-blocks"
 
 
 @dataclass
@@ -39,10 +39,10 @@ class CompressConfig(DictConfig):
                                             "per-channel, 3/2-bit blocks of 32, 4/3-bit per-row tables, 4/3-bit GPTQ groups of 32), "
                                             "'legacy' (the first four), 4 or 8")
     # grammar: qrecover.stages.specs; None = `scheme` at every width of `bits` with `scheme_params`, or, when neither is
-    # given, the default menu (DEFAULT_ENCODINGS, 'mixed-blocks')
+    # given, the default menu (DEFAULT_ENCODINGS, 'rot-mixed-blocks')
     encodings: str | None = doc_field(None, "candidate encodings of the linear layers as specs, e.g. "
-                                            "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: mixed-blocks (the default), "
-                                            "quick, afm, afm-blocks, mixed, mixed-awq (overrides --scheme/--bits)")
+                                            "palettize:2,palettize:3,gptq:4/g64,blockwise:8/pc, or a preset: rot-mixed-blocks (the default), "
+                                            "quick, mixed-blocks, afm, afm-blocks, mixed, mixed-awq (overrides --scheme/--bits)")
     # the embedding's and an untied output matrix's; None = from `embedding_bits`
     embedding_encodings: str | None = doc_field(None, "candidate encodings of the embedding as specs, e.g. blockwise:4/b32/asym,palettize:3/g1 "
                                                       "(overrides --embedding-bits)")

@@ -306,7 +306,7 @@ def test_compress_help_lists_spec_options(capsys):
     (["--embedding-encodings", "blockwise:4/zz"], ["--embedding-encodings", "'blockwise:4/zz'", "option 'zz'"]),
     (["--scheme-param", "group_size"], ["--scheme-param 'group_size' must be KEY=VALUE"]),
     (["--bits", "2,3", "--scheme-param", "nonsense=1"], ["'palettize'", "no parameter(s) ['nonsense']"]),
-    (["--scheme-param", "nonsense=1"], ["--scheme-param nonsense", "'mixed-blocks'", "drop it"]),
+    (["--scheme-param", "nonsense=1"], ["--scheme-param nonsense", "'rot-mixed-blocks'", "drop it"]),
     (["--device", "tpu"], ["--device 'tpu'", "cpu, cuda"]),
 ])
 def test_bad_spec_exit_2(args, needles, tiny_model_dir, tmp_path, capsys):

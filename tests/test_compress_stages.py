@@ -407,11 +407,15 @@ def test_presets_expand_to_their_menus_and_mix_with_specs():
         (4, 192, "nearest", 2)]
     assert parse_encodings("mixed-blocks") == blocks + parse_encodings("gptq:3/g64/mse=true,gptq:4/g64/mse=true")
     assert [(e.params["act_order"], e.params["mse"]) for e in parse_encodings("mixed-blocks")[-2:]] == [(True, True)] * 2
-    assert CompressConfig().encodings == "mixed-blocks"  # the default menu
+    # the default menu: mixed-blocks on the rotated model (rot+ on every spec)
+    assert CompressConfig().encodings == "rot-mixed-blocks"
+    rot = parse_encodings("rot-mixed-blocks")
+    assert [dataclasses.replace(e, transforms=()) for e in rot] == parse_encodings("mixed-blocks")
+    assert {e.transforms for e in rot} == {("rot",)} and len(rot) == 8
     # quick: the default menu, encoding by encoding, without the table refits and GPTQ's range search
     quick = parse_encodings("quick")
     assert [dataclasses.replace(e, params_json=json.dumps({**e.params, "refit": 2} if e.scheme == "palettize" else {**e.params, "mse": True},
-                                                          sort_keys=True)) for e in quick] == parse_encodings("mixed-blocks")
+                                                          sort_keys=True)) for e in quick] == rot
     assert [e.params["refit"] for e in quick if e.scheme == "palettize"] == [0] * 6
     assert [e.params["mse"] for e in quick if e.scheme == "gptq"] == [False] * 2
     assert parse_encodings("mixed-awq")[0].transforms == ("awq",)

@@ -2,8 +2,9 @@
 
 One compression at AFM's production budget (3.7 bpw, 4 x 128 calibration tokens): the measured
 whole-model bpw lands in [3.6, 3.7]; the checkpoint reloads; the reloaded model's logits on a short prompt
-equal (1e-4) those of the original model with the checkpoint's dequantized weights copied in (norms
-rounded to fp16, as stored); greedy generation of 20 tokens from a chat prompt decodes to non-empty text.
+equal (1e-4) those of the original architecture with the checkpoint's dequantized weights and stored norms copied
+in and its online final-norm rotation attached (the default menu rotates); greedy generation of 20 tokens from a
+chat prompt decodes to non-empty text.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import qrecover
 from qrecover.api import compress
 from qrecover.config import CompressConfig
+from qrecover.transforms.rotate import attach_online
 
 
 @pytest.mark.slow
@@ -30,13 +32,15 @@ def test_default_model_end_to_end(tmp_path):
 
     model = qrecover.load(out)
     tok = AutoTokenizer.from_pretrained(out)
-    ref, _, _ = load_model(None)
+    ref, _, _ = load_model(None)  # the float model with the checkpoint's weights: its dequantized layers, its
+    stored = model.state_dict()  # remainder (the norms the rotation folded are ones), its online final-norm rotation
     with torch.no_grad():
         for name in manifest["layers"]:
             ref.get_submodule(name).weight.copy_(model.get_submodule(name).dequantize())
         params = dict(ref.named_parameters())
         for k in manifest["remainder"]:
-            params[k].copy_(params[k].half().float())
+            params[k].copy_(stored[k])
+    attach_online(ref, manifest["transforms"]["online"])
 
     ids = tok("The quick brown fox jumps over the lazy dog. In Python, a list", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -224,10 +224,11 @@ def test_changed_tokens_rerun_only_recover_its_evals_and_the_report(exp, tiny_mo
 def test_a_preset_whose_specs_change_reruns_compress_though_its_name_does_not(exp, monkeypatch):
     """The recipe names the default menu by its name; the key holds the expanded specs, so a release that changes
     what the name means recompresses instead of reusing checkpoints made with the old menu."""
+    from qrecover.config import DEFAULT_ENCODINGS
     from qrecover.stages import specs
 
     old = {s.name: s.key for s in make_plan(load_recipe(exp / "recipe.toml")).stages}
-    monkeypatch.setitem(specs.PRESETS, "mixed-blocks", specs.PRESETS["mixed-blocks"].replace("/mse=true", ""))
+    monkeypatch.setitem(specs.PRESETS, DEFAULT_ENCODINGS, specs.PRESETS[DEFAULT_ENCODINGS].replace("/refit=2", ""))
     changed = {s.name for s in make_plan(load_recipe(exp / "recipe.toml")).stages if s.key != old[s.name]}
     assert changed == set(old) - {"eval-original"}
 

@@ -104,8 +104,9 @@ def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(t
         without = q(ids).logits
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 1e-3  # the re-attached online half is what makes it exact
     for fmt in ("gguf", "coreml"):  # compressed-tensors carries it (test below)
-        with pytest.raises(QRecoverError, match=f"runs an online rotation at .* and .* more .*--format {fmt} cannot hold "
-                                                "it: compress without r4\\+ and rot\\+ in --encodings, or export it with "
+        with pytest.raises(QRecoverError, match=f"runs an online rotation at model.layers.0.mlp.down_proj, "
+                                                f"model.layers.1.mlp.down_proj \\(r4\\+.*--format {fmt} cannot hold it: "
+                                                "compress without r4\\+ in --encodings, or export it with "
                                                 "--format compressed-tensors") as e:
             export(tmp_path / "q", fmt, tmp_path / fmt)
         assert "\n" not in str(e.value) and not (tmp_path / fmt).exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 
 import pytest
@@ -118,8 +119,11 @@ def test_online_rotation_is_the_norm_unrotated():
     norm.weight.data = torch.randn(12, dtype=torch.float64)
     x, r = torch.randn(5, 12, dtype=torch.float64), rotation(12, "hadamard", 0)
     want = norm(x) @ r
-    OnlineRotation(norm, r)
+    hooks = OnlineRotation(norm, r)
     assert torch.allclose(norm(x @ r), want, atol=1e-6)  # the hooks run in the input's dtype; r is kept fp32
+    first = hooks._on(x)
+    assert torch.allclose(norm(x @ r), want, atol=1e-6) and hooks._on(x) is first  # converted once per device/dtype
+    assert torch.allclose(norm.float()(x.float() @ r.float()), want.float(), atol=1e-5) and len(hooks._copies) == 2
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -150,6 +154,24 @@ def test_cli_refuses_unknown_rotation_and_unfoldable_model(tmp_path, tiny_dir, c
     assert code == 2 and "rot cannot fold Gemma2DecoderLayer" in err and not out.exists()
 
 
+def test_the_default_menu_runs_unrotated_where_rotation_cannot_fold(tmp_path, capsys):
+    """The default and quick menus are rotated presets: on Gemma-2 (norms after the attention and MLP outputs) their
+    rot+ is dropped with a warning and the model compresses unrotated; a hand-written rot+ is refused (test above)."""
+    g2 = tmp_path / "g2"
+    _model(T.Gemma2Config, dict(head_dim=16, hidden_size=64, intermediate_size=128, vocab_size=49152),
+           dtype=torch.float32).save_pretrained(g2)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(g2)
+    cfg = CompressConfig(model=str(g2), bpw=4.5, encodings="quick", calib_samples=2, seq_len=32)
+    with pytest.warns(UserWarning, match="rot cannot fold Gemma2DecoderLayer.*run without rot\\+ on this model"):
+        manifest = compress(cfg, out=tmp_path / "q", show_progress=False)
+    assert not manifest.get("transforms") and manifest["budget"]["encodings"]
+    labels = {info["label"] for info in manifest["layers"].values()}
+    assert labels and not any("rot" in label for label in labels), labels
+    code, _, err = cli(["compress", "--model", str(g2), "--bpw", "4.5", "--calib-samples", "2", "--seq-len", "32",
+                        "--out", str(tmp_path / "cli")], capsys)
+    assert code == 0 and not json.loads((tmp_path / "cli" / "qrecover.json").read_text()).get("transforms")
+
+
 def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir):
     cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+gptq:4/g16", embedding_bits="8",
                          calib_samples=2, seq_len=32)
@@ -172,11 +194,6 @@ def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir
         bare.model.norm._forward_pre_hooks.clear(), bare.model.norm._forward_hooks.clear()
         without = bare(ids).logits
     assert torch.all(q.model.norm.weight != 1)  # tied: the final norm keeps its scale
-    for fmt in ("gguf", "coreml"):  # no place for the online final-norm rotation: refused (compressed-tensors unties)
-        with pytest.raises(QRecoverError, match=f"runs an online rotation at model.norm .*--format {fmt} cannot hold it: "
-                                                "compress without rot\\+") as e:
-            export(tmp_path / "q", fmt, tmp_path / fmt)
-        assert "\n" not in str(e.value) and not (tmp_path / fmt).exists()
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 0.1  # the re-attached hooks are what makes it exact
 
 
@@ -195,6 +212,85 @@ def test_rotated_tied_checkpoint_exports_to_compressed_tensors_with_an_untied_he
     with torch.no_grad():
         got, ref = served(ids).logits, load(tmp_path / "q")(ids).logits
     assert _rel(got, ref) < 1e-3, _rel(got, ref)  # the untied head is stored in fp16
+
+
+def test_rotated_tied_checkpoint_exports_to_gguf_with_an_untied_head(tmp_path, tiny_dir):
+    """GGUF holds no online final-norm rotation: the export unties the head (E R1^T diag(g) R1 at token_embd's type,
+    the final norm the identity), and llama.cpp's layout read by transformers gives qrecover.load's logits."""
+    pytest.importorskip("gguf")
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+blockwise:4/b32/sym", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    compress(cfg, out=tmp_path / "q", show_progress=False)
+    rep = export(tmp_path / "q", "gguf", tmp_path / "g")
+    head = rep["untied_head"]
+    assert head["from"] == "model.norm" and head["values"] == 49152 * 64 and head["type"] == "Q8_0"
+    assert head["bytes"] == 49152 * 64 // 32 * 34 and 0 < head["rel_error"] < 1e-2
+    assert rep["exact_layers"] == rep["total_layers"]  # Q4_0 and Q8_0 hold the layers and the embedding exactly
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "g", gguf_file="model.gguf", dtype=torch.float32).eval()
+    assert hf.lm_head.weight is not hf.model.embed_tokens.weight and torch.all(hf.model.norm.weight == 1)
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, ref = hf(ids, use_cache=False).logits, load(tmp_path / "q")(ids, use_cache=False).logits
+    assert _rel(got, ref) < 1e-2, _rel(got, ref)  # the head's Q8_0 rounding only
+
+
+def test_adapter_on_a_rotated_checkpoint_exports_beside_its_untied_gguf_and_a_head_adapter_is_refused(tmp_path, tiny_dir):
+    from qrecover.adapters.lora import attach_lora, base_identity, save_adapter
+
+    pytest.importorskip("gguf")
+    compress(CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+blockwise:4/b32/sym", embedding_bits="8",
+                            calib_samples=2, seq_len=32), out=tmp_path / "q", show_progress=False)
+    for head_rank in (0, 2):
+        torch.manual_seed(1)
+        model = attach_lora(load(tmp_path / "q"), rank=2, head_rank=head_rank)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0, 0.05)
+        save_adapter(model, tmp_path / f"a{head_rank}", base_identity(tmp_path / "q"), model.qrecover_manifest["parameters"]["model"])
+    rep = export(tmp_path / "q", "gguf", tmp_path / "g", adapter=tmp_path / "a0")
+    assert rep["untied_head"]["type"] == "Q8_0" and rep["adapter"]["tensors"] == 2 * 2 * 7  # 2 layers x 7 linears, A and B
+    with pytest.raises(QRecoverError, match="adapts the head of a rot\\+ checkpoint .*--head-rank 0") as e:
+        export(tmp_path / "q", "gguf", tmp_path / "g2", adapter=tmp_path / "a2")
+    assert "\n" not in str(e.value) and not (tmp_path / "g2").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("coremltools") is None, reason="needs coremltools ([export-coreml])")
+def test_rotated_tied_checkpoint_exports_to_coreml_with_an_untied_head(tmp_path, tiny_dir):
+    """Core ML holds no online final-norm rotation either: the package's program reads an fp16 untied head."""
+    cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+palettize:4", embedding_bits="8",
+                         calib_samples=2, seq_len=32)
+    compress(cfg, out=tmp_path / "q", show_progress=False)
+    rep = export(tmp_path / "q", "coreml", tmp_path / "c")
+    assert rep["untied_head"] == {"from": "model.norm", "values": 49152 * 64, "dtype": "float16"}
+    assert (tmp_path / "c" / "model.mlpackage").is_dir() and rep["exact_layers"] >= 14  # the palettized layers' own tables
+
+
+def test_recover_and_tune_train_a_rotated_checkpoint(tmp_path, tiny_dir, text_mix):
+    """The default menu rotates: recover distils an adapter onto a rot+ checkpoint and tune trains its scales, both
+    through qrecover.load (the final norm's online rotation attached), and what they write keeps the rotation. The
+    adapter's 'svd' initialisation compares the teacher's layers with the checkpoint's, so the teacher is rotated the
+    same way first (recovery.api.in_checkpoint_basis): with the unrotated teacher the adapted logits were 1.04 off."""
+    from qrecover.recovery.api import recover
+    from qrecover.recovery.config import RecoverConfig
+    from qrecover.recovery.tune import TuneConfig, tune
+
+    compress(CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+blockwise:8/b32", embedding_bits="8",
+                            calib_samples=2, seq_len=32), out=tmp_path / "q", show_progress=False)
+    run = dict(mix=str(text_mix), seq_len=32, batch_size=2, objective="kd", decontaminate=False, checkpoint_every=0)
+    recover(tmp_path / "q", tmp_path / "lora", RecoverConfig(rank=2, tokens=32 * 2 * 3, **run), show_progress=False)
+    tune(tmp_path / "q", tmp_path / "t", TuneConfig(tokens=32 * 2 * 3, lr=1e-3, rounding_windows=1, **run), show_progress=False)
+    ids = torch.randint(0, 49152, (1, 20), generator=torch.Generator().manual_seed(2))
+    orig = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref, base = orig(ids).logits, load(tmp_path / "q")(ids).logits
+        adapted, tuned = load(tmp_path / "q", adapter=tmp_path / "lora")(ids).logits, load(tmp_path / "t")(ids).logits
+    online = json.loads((tmp_path / "t" / "qrecover.json").read_text())["transforms"]["online"]
+    assert list(online) == ["model.norm"] and (tmp_path / "t" / "model.safetensors").stat().st_size == (
+        tmp_path / "q" / "model.safetensors").stat().st_size
+    for got in (base, adapted, tuned):  # 8 bits: each near the original's function (without the online final
+        assert _rel(got, ref) < 0.05, [_rel(g, ref) for g in (base, adapted, tuned)]  # norm, > 0.1 off: test above)
+    assert 0 < _rel(adapted, base) and 0 < _rel(tuned, base)  # both trained
 
 
 def _rel(a, b):

@@ -33,6 +33,8 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.7 --encodings quick      # the quick start: the default menu without table refits
 
+  qrecover compress --bpw 3.7 --encodings mixed-blocks  # the same menu unrotated
+
   qrecover compress --bpw 3.7 --procs 1              # one process (default on the CPU: one per core, same bytes)
 
   qrecover compress --bpw 3.7 --encodings mixed      # palettize and GPTQ layers
@@ -46,14 +48,15 @@ every candidate then quantizes the transformed weights. Transforms: awq (activat
 (Hadamard rotations R1 + R2 fused into the weights, docs/rotations.md; rot-block, rot-random: other
 matrices; rot1: R1 only; rot2: R2 only), e.g. rot+gptq:3/g64, rot+palettize:3, rot+awq+gptq:3/g64 (rotations run first).
 
-Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md): afm
-(palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes), afm-blocks (palettize:2,3,4
-with whole-row tables and tables per ~192 columns, each refitted twice: the best palettization-only menu),
-mixed-blocks (the default: afm-blocks + gptq:3/g64/mse=true, gptq:4/g64/mse=true, GPTQ with its range search; the
-best measured without an online transform, on the calibration domain and on every held-out domain: worst 1.89x),
-mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4, gptq:4/g64; architectures with an
-AWQ mapping; good on the calibration domain only), quick (mixed-blocks without the table refits and the range
-search: the quick start's menu, about 40% less CPU time; worst held-out 1.97x). They mix with
+Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md):
+rot-mixed-blocks (the default: mixed-blocks on the model rotated by rot+, R1 + R2 Hadamard rotations fused into the
+weights; the best measured menu without an online input rotation, on every held-out domain: worst 1.43x; GGUF and
+Core ML export write its tied head untied, docs/export.md), quick (rot-mixed-blocks without the table refits and the range search: the quick start's
+menu), mixed-blocks (afm-blocks + gptq:3/g64/mse=true, gptq:4/g64/mse=true, GPTQ with its range search; unrotated:
+worst held-out 1.89x), afm (palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes),
+afm-blocks (palettize:2,3,4 with whole-row tables and tables per ~192 columns, each refitted twice: the best
+palettization-only menu), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
+gptq:4/g64; architectures with an AWQ mapping; good on the calibration domain only). They mix with
 specs: --encodings mixed,blockwise:8/pc. An encoding that fits only some layers (a block width that does not divide
 every layer's columns) is offered to those layers only.
 """
@@ -71,7 +74,7 @@ def compress(
                                                           "--bits width and no --bpw)."),
     bits: Optional[str] = typer.Option(None, "--bits", help="Candidate widths for the decoder linear layers with --scheme, e.g. 2,4 (AFM) or "
                                                             "2,3,4 (the default with --scheme). Without --bits, --scheme and --encodings: the "
-                                                            "default menu, mixed-blocks."),
+                                                            "default menu, rot-mixed-blocks."),
     config: dict | None = None,
     group_size: Optional[int] = typer.Option(None, "--group-size", help="palettize: rows sharing a look-up table (default 16)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="palettize: columns per table (default: whole row); blockwise: elements per "

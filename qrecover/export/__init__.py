@@ -97,23 +97,34 @@ def _check_options(fmt: str, out: Path, overwrite: bool, adapter: str | Path | N
 
 
 def _check_exportable(ckpt: Checkpoint, checkpoint: Path, fmt: str, adapter: str | Path | None = None) -> None:
-    """Refuse what ``fmt`` cannot hold: an online rotation (only compressed-tensors carries one, without an
-    adapter), or experts quantized one by one."""
-    if online := ckpt.manifest.get("transforms", {}).get("online"):
-        why = sorted({spec.get("why", "rot+ on a tied head: the final norm runs un-rotated") for spec in online.values()})
-        avoid = " and ".join(sorted({"r4+" if spec.get("side") == "input" else "rot+" for spec in online.values()}))
-        where = ", ".join(list(online)[:2]) + (f" and {len(online) - 2} more" if len(online) > 2 else "")
-        if fmt != "compressed-tensors":
-            raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where} ({'; '.join(why)}); "
-                                f"--format {fmt} cannot hold it: compress without {avoid} in --encodings, or export it "
-                                "with --format compressed-tensors (vLLM), or load it with qrecover.load")
-        if adapter is not None:
-            raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where}; exporting an adapter with it is "
-                                "not supported yet: export the base alone, or compress without " + avoid + " in --encodings")
+    """Refuse what ``fmt`` cannot hold: an online input rotation (``r4+``: only compressed-tensors carries one, without
+    an adapter), an adapter on the head of a checkpoint whose tied head's final-norm rotation the export folds into an
+    untied head (``rot+``, :func:`.common.untied_head`), or experts quantized one by one."""
+    online = ckpt.manifest.get("transforms", {}).get("online", {})
+    inputs = [n for n, spec in online.items() if spec.get("side") == "input"]
+    where = ", ".join(inputs[:2]) + (f" and {len(inputs) - 2} more" if len(inputs) > 2 else "")
+    if inputs and fmt != "compressed-tensors":
+        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where} (r4+: the input of down_proj rotated "
+                            f"at run time); --format {fmt} cannot hold it: compress without r4+ in --encodings, or export it "
+                            "with --format compressed-tensors (vLLM), or load it with qrecover.load")
+    if inputs and adapter is not None:
+        raise QRecoverError(f"{str(checkpoint)!r} runs an online rotation at {where}; exporting an adapter with it is not "
+                            "supported yet: export the base alone, or compress without r4+ in --encodings")
+    if len(online) > len(inputs) and adapter is not None and _adapts_head(Path(adapter)):
+        raise QRecoverError(f"adapter {str(adapter)!r} adapts the head of a rot+ checkpoint whose export unties the head "
+                            "(its final-norm rotation folded in); retrain it with --head-rank 0, or load it with qrecover.load")
     if ckpt.manifest.get("moe", {}).get("unfused"):
         raise QRecoverError(f"{str(checkpoint)!r} is a mixture-of-experts checkpoint (its experts quantized one by one, "
                             f"e.g. {ckpt.manifest['moe']['unfused'][0]}.0.gate_up_proj); export of MoE checkpoints to "
                             f"{fmt} is not supported yet: load it with qrecover.load")
+
+
+def _adapts_head(adapter: Path) -> bool:
+    """Whether a PEFT adapter holds a LoRA on the output head."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        return any(".lm_head." in k for k in f.keys())
 
 
 def _write_format(fmt: str, ckpt: Checkpoint, tmp: Path, spec: tuple[int, int] | None, adapter: str | Path | None, out: Path,

@@ -23,6 +23,7 @@ from ..errors import QRecoverError
 from ..io_utils import sha256_file
 from ..packing import unpack
 from ..schemes import QuantizedWeight, get_quantizer
+from ..transforms.hadamard import rotation
 
 #: schemes whose stored tensors have blockwise's layout (qdata / scale / zero_point, w = scale * (q - zp))
 INTEGER_SCHEMES = frozenset({"blockwise", "gptq"})
@@ -61,6 +62,28 @@ class Checkpoint:
 
     def kind(self, name: str) -> str:
         return self.manifest["layers"][name]["kind"]
+
+
+def untied_head(ckpt: Checkpoint, embedding: torch.Tensor, offset: float) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """A tied head's online final-norm rotation folded into an untied head, for formats that run nothing online.
+
+    ``rot+`` on a tied head keeps the head as the rotated embedding ``E R1`` and runs the final norm un-rotated,
+    ``norm(x R1^T) R1`` (the manifest's ``transforms.online``, side ``output``). Untied, the head reads the rotated
+    stream's norm directly: ``lm_head = E R1^T diag(g) R1`` and the final norm becomes the identity. ``embedding``:
+    the stored (dequantized) ``E R1``; ``offset``: 1 for Gemma's ``x * (1 + w)`` norms, else 0. Returns ``(the final
+    norm's name, lm_head float32, the norm's new weight float32)``, or None when there is no such rotation."""
+    online = ckpt.manifest.get("transforms", {}).get("online", {})
+    untie = {n: s for n, s in online.items() if s.get("side") != "input"}
+    if not untie:
+        return None
+    if len(untie) > 1 or not ckpt.tied:
+        raise QRecoverError(f"online rotations at {', '.join(untie)}: an export can fold a tied head's final-norm rotation "
+                            "only; compress without rot+ in --encodings")
+    (norm, spec), = untie.items()
+    g = ckpt.remainder[f"{norm}.weight"].double() + offset
+    r = rotation(int(spec["size"]), spec["kind"], int(spec["seed"]))
+    head = (embedding.double() @ ((r.T * g) @ r)).float()
+    return norm, head, torch.full_like(g, 1.0 - offset).float()
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

@@ -44,7 +44,7 @@ from ..errors import QRecoverError
 from ..models import decoder_layers
 from ..transforms.hadamard import rotation
 from ..transforms.rotate import SUPPORTED
-from .common import Checkpoint, integer_layout, layout_dequantize, to_int_groups
+from .common import Checkpoint, integer_layout, layout_dequantize, to_int_groups, untied_head
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -138,9 +138,6 @@ def online_transforms(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]
         if spec["kind"] not in ("fwht", "hadamard", "block") or name not in ckpt.layers:
             raise QRecoverError(f"the online rotation at {name} ({spec['kind']}) has no compressed-tensors transform here; "
                                 "compress without r4+ in --encodings")
-    if len(untie) > 1 or (untie and not ckpt.tied):
-        raise QRecoverError(f"online rotations at {', '.join(untie)}: compressed-tensors export holds a tied head's final-norm "
-                            "rotation only; compress without rot+ in --encodings")
     return untie, inputs
 
 
@@ -191,15 +188,11 @@ def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, A
         if name not in targets:
             report[name].update(scheme="dense float32", note="embedding written dense (exact values)")
     if untie:
-        (norm, spec), = untie.items()
         names = {m: n for n, m in model.named_modules()}
         emb, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
         offset = SUPPORTED[type(decoder_layers(model)[0]).__name__]  # Gemma's norms multiply by 1 + w
-        g = ckpt.remainder[f"{norm}.weight"].double() + offset
-        r = rotation(int(spec["size"]), spec["kind"], int(spec["seed"]))
-        # the head read norm(x R1^T) R1 through E R1; untied it reads n(x R1) directly: E R1^T diag(g) R1
-        state[f"{head}.weight"] = (state[f"{emb}.weight"].double() @ ((r.T * g) @ r)).float()
-        state[f"{norm}.weight"] = torch.full_like(g, 1.0 - offset).float()
+        norm, w_head, w_norm = untied_head(ckpt, state[f"{emb}.weight"], offset)
+        state[f"{head}.weight"], state[f"{norm}.weight"] = w_head, w_norm
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")
                and not (ckpt.tied and not untie and k.endswith("lm_head.weight"))]

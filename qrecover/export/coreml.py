@@ -7,7 +7,9 @@ program holds them exactly) and converted; then every palettized layer is palett
 each group: no k-means, no re-quantization, the tables and indices are the checkpoint's (3-bit included).
 Look-up tables shared by a block of input columns (``block_size`` set) are not a Core ML granularity and are
 refused. Integer layers and the embedding are left as coremltools expresses float weights: fp16 constants (an
-8-bit ``scale * int`` is rounded to fp16; the measured error is reported).
+8-bit ``scale * int`` is rounded to fp16; the measured error is reported). A ``rot+`` checkpoint with a tied head
+(its final norm run un-rotated at load) is written with an untied fp16 head, ``E R1^T diag(g) R1``, and an identity
+final norm (:func:`.common.untied_head`), as for GGUF.
 
 What cannot be checked without an Apple device: running the model (Core ML's runtime exists only on macOS/iOS),
 its outputs against ``qrecover.load``, speed and memory on the Neural Engine. What is checked here: the
@@ -24,8 +26,10 @@ import numpy as np
 import torch
 
 from ..errors import QRecoverError
+from ..models import decoder_layers
 from ..packing import unpack
-from .common import Checkpoint, relative_error
+from ..transforms.rotate import SUPPORTED
+from .common import Checkpoint, relative_error, untied_head
 
 PACKAGE = "model.mlpackage"
 
@@ -85,6 +89,15 @@ def export_coreml(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     state = {k: v.float() for k, v in ckpt.remainder.items()}
     for name, qw in ckpt.layers.items():
         state[f"{name}.weight"] = qw.dequantize(torch.float32)
+    emb = next((n for n in ckpt.layers if ckpt.kind(n) == "embedding"), None)
+    offset = SUPPORTED.get(type(decoder_layers(model)[0]).__name__, 0.0)  # Gemma's norms multiply by 1 + w
+    untied = untied_head(ckpt, state[f"{emb}.weight"], offset) if emb is not None else None
+    if untied is not None:  # rot+ on a tied head: no online final-norm rotation in Core ML, so the head is untied
+        norm, head, w_norm = untied
+        state[f"{norm}.weight"] = w_norm
+        model.config.tie_word_embeddings = False
+        model.get_output_embeddings().weight = torch.nn.Parameter(head)
+        log(f"  the tied head's final-norm rotation folded into an untied head ({head.numel():,} values, fp16)")
     model.load_state_dict(state, strict=False)
     model.eval()
     seq = min(64, config.max_position_embeddings)
@@ -143,6 +156,7 @@ def export_coreml(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     den = sum(float(ckpt.layers[n].dequantize().double().pow(2).sum()) for n in layers)
     return {"file": PACKAGE, "layers": layers, "exact_layers": sum(v["exact"] for v in layers.values()),
             "total_layers": len(layers), "total_rel_error": (num / den) ** 0.5 if den else 0.0, "sequence_length": seq,
+            **({"untied_head": {"from": untied[0], "values": untied[1].numel(), "dtype": "float16"}} if untied is not None else {}),
             "seconds": round(time.time() - t0, 1),
             "not_checked": "running the package (Core ML runs only on Apple devices): its outputs, speed, memory"}
 

@@ -20,6 +20,7 @@ created; after one, OUT keeps ``run.json`` and ``checkpoints/`` (nothing else) f
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
+from ..transforms import get_transform
 from .config import RecoverConfig
 from .objective import place_teacher
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
@@ -185,7 +187,29 @@ def load_teacher(manifest: dict[str, Any]) -> torch.nn.Module:
         raise QRecoverError(f"the unquantized model at {src['path']!r} has changed since compression (weights sha256 "
                             f"{source.weights_sha256[:12]}... vs {src['weights_sha256'][:12]}... in the manifest); "
                             "distillation needs the original: restore it, or use --objective ce")
-    return model
+    return in_checkpoint_basis(model, manifest, copy=False)
+
+
+def in_checkpoint_basis(teacher: torch.nn.Module, manifest: dict[str, Any], copy: bool = True) -> torch.nn.Module:
+    """The teacher with the checkpoint's model-level transforms replayed (``rot+``, ``r4+``: seeded and data-free), so
+    that layer by layer its weights and inputs are the ones the checkpoint's layers quantized: the 'svd'
+    initialisation (``W - Q``), the damage rank allocation and the block-wise pass compare them. Its function, hence
+    distillation, is unchanged. ``copy``: transform a copy (a caller's teacher is left as it was). AWQ's scales are
+    fitted to data and not stored, so an ``awq+`` checkpoint's teacher stays as it is (its 'svd' initialisation sees
+    the scaled layers' error only approximately)."""
+    names = [n for n in manifest.get("transforms", {}).get("names", []) if get_transform(n).model_level]
+    done = getattr(teacher, "qrecover_transforms", [])
+    if done == names:
+        return teacher
+    if done:
+        raise QRecoverError(f"the teacher given was already transformed ({'+'.join(done)}) for another checkpoint; pass the "
+                            "unquantized model as loaded")
+    teacher = copy_module.deepcopy(teacher) if copy else teacher
+    device = next(teacher.parameters()).device
+    for name in names:
+        get_transform(name).apply_model(teacher, device)
+    teacher.qrecover_transforms = names
+    return teacher
 
 
 def _calibration_windows(tokenizer: Any, manifest: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
@@ -310,6 +334,8 @@ def recover(checkpoint: str | Path, out: str | Path, cfg: RecoverConfig | None =
         manifest = model.qrecover_manifest
         if (cfg.objective != "ce" or cfg.init == "svd" or cfg.rank_allocation == "damage") and teacher is None:
             teacher = load_teacher(manifest)
+        elif teacher is not None:
+            teacher = in_checkpoint_basis(teacher, manifest)
         targets = _select_targets(model, cfg)
         calibration = (_calibration_windows(tokenizer, manifest)  # tokenized once for the allocation and the init
                        if cfg.init == "svd" or cfg.rank_allocation == "damage" else None)
@@ -383,4 +409,4 @@ def finetune(checkpoint: str | Path, init_adapter: str | Path, data: str, out: s
 
 
 __all__ = ["recover", "finetune", "init_feature_model", "default_mix_path", "read_mix", "read_mix_or_data",
-           "load_teacher", "latest_checkpoint", "is_complete"]
+           "load_teacher", "in_checkpoint_basis", "latest_checkpoint", "is_complete"]

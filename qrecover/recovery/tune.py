@@ -53,6 +53,7 @@ from .api import (
     _require_checkpoint,
     _run_dir,
     check_training_inputs,
+    in_checkpoint_basis,
     load_teacher,
     train_on_data,
 )
@@ -242,6 +243,8 @@ def tune(checkpoint: str | Path, out: str | Path, cfg: TuneConfig | None = None,
         tokenizer = AutoTokenizer.from_pretrained(source)
         if (cfg.objective != "ce" or cfg.block_tokens) and teacher is None:
             teacher = load_teacher(manifest)
+        elif teacher is not None:
+            teacher = in_checkpoint_basis(teacher, manifest)
         trainable = make_tunable(model, layers, norms)
         blocks, loader = block_phase(model, teacher, tokenizer, cfg, mix, manifest, out, resume, show_progress) \
             if cfg.block_tokens else (None, None)

@@ -261,6 +261,7 @@ def prepare(cfg: CompressConfig, show_progress: bool = True, lazy: bool = True) 
         raise QRecoverError(f"--grad-samples {n_grad} is fewer than the {group.size} processes; give at least one window per process")
     device = resolve_device(cfg.device)
     model, tok, source = load_model(cfg.model, lazy=lazy)
+    lin_encs, emb_all = encodings_of(cfg, model)  # a GGUF source's architecture is known only now
     units, head_name = find_units(model, lin_encs, emb_all)
     linears = {n: u for n, u in units.items() if u.kind == "linear"}
     emb_unit = next(u for u in units.values() if u.kind == "embedding")

@@ -4,7 +4,9 @@ QRecoverError naming the value and the fix. :func:`check_budget_early` runs befo
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import torch
 import torch.nn as nn
@@ -32,10 +34,15 @@ def fits(c: Encoding, shape: tuple[int, int]) -> bool:
         return False
 
 
-def encodings_of(cfg: CompressConfig) -> tuple[list[Encoding], list[Encoding]]:
-    """``(linear candidates, embedding candidates)`` of a config, parsed and checked (no model needed)."""
+def encodings_of(cfg: CompressConfig, model: nn.Module | None = None) -> tuple[list[Encoding], list[Encoding]]:
+    """``(linear candidates, embedding candidates)`` of a config, parsed and checked; a preset's model-level
+    transforms that ``model``'s architecture cannot take are dropped (:func:`drop_unfoldable`; ``model``: the loaded
+    model, else the config's built on the meta device where the model has a transformers config)."""
     lin = linear_encodings(cfg.scheme, cfg.bits, cfg.scheme_params, cfg.encodings)
     emb = embedding_encodings(cfg.embedding_bits, cfg.embedding_encodings, cfg.scope == "model" and cfg.bpw is not None)
+    if any(e.optional and e.transforms for e in lin + emb):
+        model = model if model is not None else meta_model(cfg)
+        lin, emb = (drop_unfoldable(lin, model), drop_unfoldable(emb, model)) if model is not None else (lin, emb)
     if cfg.bpw is None and len(lin) != 1:
         raise QRecoverError(f"a uniform model (no --bpw) needs a single linear encoding, got {[e.label for e in lin]}; "
                             "give one, or a --bpw budget")
@@ -43,6 +50,32 @@ def encodings_of(cfg: CompressConfig) -> tuple[list[Encoding], list[Encoding]]:
         raise QRecoverError(f"a uniform model (no --bpw) needs a single embedding encoding, got {[e.label for e in emb]}; "
                             "give one, or a --bpw budget")
     return lin, emb
+
+
+def drop_unfoldable(encodings: list[Encoding], model: nn.Module) -> list[Encoding]:
+    """``encodings`` with each preset encoding's transforms that ``model`` cannot take removed, with a warning: the
+    default menu (``rot-mixed-blocks``) runs unrotated on an architecture whose norms a rotation cannot cross (Gemma-2/3,
+    LayerNorm models, ...). A transform written in a spec by hand (``rot+gptq:3/g64``) is kept, and refused later."""
+    refused: dict[str, str] = {}
+    for name in {t for e in encodings if e.optional for t in e.transforms}:
+        try:
+            get_transform(name).check(model)
+        except QRecoverError as err:
+            refused[name] = str(err)
+    if not refused:
+        return encodings
+    for name, why in sorted(refused.items()):
+        warnings.warn(f"qrecover: {why.rstrip('.')}; the preset's candidates run without {name}+ on this model", stacklevel=2)
+    out: list[Encoding] = []
+    for e in encodings:
+        if e.optional and set(e.transforms) & set(refused):
+            label = e.label
+            for name in refused:
+                label = label.replace(f"{name}+", "", 1)
+            e = dataclasses.replace(e, transforms=tuple(t for t in e.transforms if t not in refused), label=label)
+        if e not in out:
+            out.append(e)
+    return out
 
 
 def resolve_device(spec: str) -> torch.device:

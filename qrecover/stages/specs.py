@@ -39,7 +39,7 @@ from ..schemes.base import _REGISTRY
 from ..transforms import transform_names
 
 GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asym or key=value, e.g. gptq:4/g64/sym, "
-           "or a preset name (afm, afm-blocks, mixed, mixed-awq, mixed-blocks, quick)")
+           "or a preset name (afm, afm-blocks, mixed, mixed-awq, mixed-blocks, rot-mixed-blocks, quick)")
 
 #: Named menus for the decoder linear layers (``--encodings mixed``), each measured on the default model at
 #: ``--bpw 3.7`` (``benchmarks/schemes.py``, ``benchmarks/heldout.py``): ``afm`` is AFM's palettization (whole-row tables;
@@ -53,8 +53,8 @@ GRAMMAR = ("[TRANSFORM+]SCHEME:BITS[/OPTION...] with OPTION gN, bN, pc, sym, asy
 #: menu. ``mixed-blocks``: ``afm-blocks`` + GPTQ at 3 and 4 bits (g64, act order) with GPTQ's range search
 #: (``mse=true``): the best measured menu without an online transform, on the calibration domain and on every held-out
 #: one (python-docs 1.279x, held-out worst 1.890x; without the range search 1.343x / 2.049x, ``afm-blocks`` 1.351x /
-#: 2.12x), on every architecture: the default (:data:`DEFAULT_ENCODINGS`). The range search became part of it on
-#: 2026-11-27 (docs/rotations.md, "GPTQ's range search").
+#: 2.12x), on every architecture: the default until 2026-11-27 (fifth session), when its rotated form became it. The
+#: range search became part of it on 2026-11-27 (docs/rotations.md, "GPTQ's range search").
 PRESETS = {
     "afm": "palettize:2,palettize:3,palettize:4",
     "mixed": "palettize:2,palettize:3,palettize:4,gptq:3/g64,gptq:4/g64",
@@ -63,13 +63,18 @@ PRESETS = {
                   "palettize:3/b192/block_fit=nearest/refit=2,palettize:4/b192/block_fit=nearest/refit=2",
 }
 PRESETS["mixed-blocks"] = PRESETS["afm-blocks"] + ",gptq:3/g64/mse=true,gptq:4/g64/mse=true"
-#: ``quick``: ``mixed-blocks`` without the table refits (k-means tables, codes by error feedback) and without GPTQ's
+#: ``rot-mixed-blocks``: ``mixed-blocks`` on the rotated model (``rot+`` on every spec: R1 + R2 Hadamard rotations fused
+#: into the weights, docs/rotations.md), the default (:data:`DEFAULT_ENCODINGS`) since 2026-11-27. Measured at
+#: ``--bpw 3.7`` on the default model (``benchmarks/heldout.py``, same windows as reports/schemes-heldout.md):
+#: python-docs 1.215x, held-out shakespeare / gsm8k / mmlu 1.427x / 1.362x / 1.393x (worst 1.427x) against
+#: ``mixed-blocks``' 1.279x / 1.890x / 1.592x / 1.661x (worst 1.890x); without GPTQ's range search 1.222x, worst 1.457x
+#: (the same day). Every export takes it: GGUF and Core ML write the tied head untied (docs/export.md).
+PRESETS["rot-mixed-blocks"] = ",".join(f"rot+{spec}" for spec in PRESETS["mixed-blocks"].split(","))
+#: ``quick``: the default menu without the table refits (k-means tables, codes by error feedback) and without GPTQ's
 #: range search, the candidates' most costly parts (each refit is a least-squares solve per table and a second
-#: error-feedback pass; the search tries 80 grids per group); the quick start's menu.
-#: Measured at ``--bpw 3.7`` (2026-11-26, one thread, loaded machine): 818 CPU-s against the default's 1,344; held-out
-#: ppl ratios python-docs 1.333x, shakespeare 1.968x, gsm8k 1.523x, mmlu 1.800x (worst 1.968x) against the default's
-#: 1.326x / 1.967x / 1.576x / 1.809x (worst 1.967x), both scored in the same benchmarks/heldout.py run.
-PRESETS["quick"] = PRESETS["mixed-blocks"].replace("/refit=2", "").replace("/mse=true", "")
+#: error-feedback pass; the search tries 80 grids per group); the quick start's menu. Until 2026-11-27 (fifth session)
+#: it was ``mixed-blocks`` without them, unrotated (held-out worst 1.968x; README).
+PRESETS["quick"] = PRESETS["rot-mixed-blocks"].replace("/refit=2", "").replace("/mse=true", "")
 
 # DEFAULT_ENCODINGS (the menu when no --encodings, --scheme or --bits is given) is declared in qrecover.config.
 

@@ -138,14 +138,23 @@ class OnlineRotation:
 
     def __init__(self, module: nn.Module, r: torch.Tensor):
         self.r = r.to(torch.float32)
+        self._copies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _on(self, x: torch.Tensor) -> torch.Tensor:
+        """``r`` on ``x``'s device in its dtype, copied once: no host-to-device copy per token (and none inside a
+        captured CUDA graph after the first call)."""
+        key = (x.device, x.dtype)
+        if key not in self._copies:
+            self._copies[key] = self.r.to(x.device, x.dtype)
+        return self._copies[key]
 
     def _pre(self, _m, args):
         x = args[0]
-        return (x @ self.r.to(x.device, x.dtype).T, *args[1:])
+        return (x @ self._on(x).T, *args[1:])
 
     def _post(self, _m, _args, y):
-        return y @ self.r.to(y.device, y.dtype)
+        return y @ self._on(y)
 
 
 def attach_online(model: nn.Module, online: dict[str, Any] | None) -> None:
