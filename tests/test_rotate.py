@@ -172,6 +172,20 @@ def test_the_default_menu_runs_unrotated_where_rotation_cannot_fold(tmp_path, ca
     assert code == 0 and not json.loads((tmp_path / "cli" / "qrecover.json").read_text()).get("transforms")
 
 
+def test_a_size_with_no_hadamard_construction_is_refused_before_any_work(tmp_path):
+    """hidden 92 = 4 x 23 (head dim 46): no Sylvester x Paley construction; rot+ is refused by its check (before calibration), the
+    block-diagonal and random kinds take it."""
+    src = tmp_path / "h92"
+    _model(T.LlamaConfig, dict(hidden_size=92, num_attention_heads=2, num_key_value_heads=2, vocab_size=49152),
+           dtype=torch.float32).save_pretrained(src)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with pytest.raises(QRecoverError, match="rot needs a Hadamard matrix of order 92.*use rot-block\\+ or rot-random\\+") as e:
+        get_transform("rot").check(model)
+    assert "\n" not in str(e.value)
+    get_transform("rot-block").check(model), get_transform("rot-random").check(model)
+
+
 def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir):
     cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+gptq:4/g16", embedding_bits="8",
                          calib_samples=2, seq_len=32)

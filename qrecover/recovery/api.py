@@ -195,8 +195,8 @@ def in_checkpoint_basis(teacher: torch.nn.Module, manifest: dict[str, Any], copy
     that layer by layer its weights and inputs are the ones the checkpoint's layers quantized: the 'svd'
     initialisation (``W - Q``), the damage rank allocation and the block-wise pass compare them. Its function, hence
     distillation, is unchanged. ``copy``: transform a copy (a caller's teacher is left as it was). AWQ's scales are
-    fitted to data and not stored, so an ``awq+`` checkpoint's teacher stays as it is (its 'svd' initialisation sees
-    the scaled layers' error only approximately)."""
+    fitted to data and not stored, so an ``awq+`` checkpoint's teacher stays as it is (its 'svd' initialisation does
+    not match the scaled layers: a known limitation, ``--init zero`` avoids it)."""
     names = [n for n in manifest.get("transforms", {}).get("names", []) if get_transform(n).model_level]
     done = getattr(teacher, "qrecover_transforms", [])
     if done == names:

@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..errors import QRecoverError
 from ..models import decoder_layers, resident
 from .base import Transform, register_transform
-from .hadamard import rotation
+from .hadamard import factors, rotation
 from .online_r4 import OnlineInputRotation
 
 #: decoder-layer class -> the norm's weight offset (Gemma's RMSNorm multiplies by ``1 + w``)
@@ -178,6 +178,13 @@ class Rotate(Transform):
 
     def check(self, model: nn.Module) -> None:
         check_model(model)
+        if self.kind == "hadamard":  # the sizes a Hadamard matrix is built for (block and random take any size)
+            sizes = ([model.get_input_embeddings().weight.shape[1]] if self.r1 else []) + \
+                ([head_dim(decoder_layers(model)[0], model.config)] if self.r2 else [])
+            for n in sizes:
+                if factors(n) is None:
+                    raise QRecoverError(f"{self.name} needs a Hadamard matrix of order {n}, which cannot be built here (orders: "
+                                        "1, 2, a power of two times Paley orders); use rot-block+ or rot-random+ in --encodings")
 
     @torch.no_grad()
     def apply_model(self, model: nn.Module, device: torch.device | str) -> dict[str, Any]:
