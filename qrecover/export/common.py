@@ -64,14 +64,16 @@ class Checkpoint:
         return self.manifest["layers"][name]["kind"]
 
 
-def untied_head(ckpt: Checkpoint, embedding: torch.Tensor, offset: float) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+def untied_head(ckpt: Checkpoint, offset: float, embedding: torch.Tensor | None = None
+                ) -> tuple[str, torch.Tensor, torch.Tensor] | None:
     """A tied head's online final-norm rotation folded into an untied head, for formats that run nothing online.
 
     ``rot+`` on a tied head keeps the head as the rotated embedding ``E R1`` and runs the final norm un-rotated,
     ``norm(x R1^T) R1`` (the manifest's ``transforms.online``, side ``output``). Untied, the head reads the rotated
-    stream's norm directly: ``lm_head = E R1^T diag(g) R1`` and the final norm becomes the identity. ``embedding``:
-    the stored (dequantized) ``E R1``; ``offset``: 1 for Gemma's ``x * (1 + w)`` norms, else 0. Returns ``(the final
-    norm's name, lm_head float32, the norm's new weight float32)``, or None when there is no such rotation."""
+    stream's norm directly: ``lm_head = E R1^T diag(g) R1`` and the final norm becomes the identity. ``offset``: 1 for
+    Gemma's ``x * (1 + w)`` norms, else 0; ``embedding``: ``E R1`` as the export writes it (default: the checkpoint's,
+    dequantized). Returns ``(the final norm's name, lm_head float32, the norm's new weight float32)``, or None when
+    there is no such rotation."""
     online = ckpt.manifest.get("transforms", {}).get("online", {})
     untie = {n: s for n, s in online.items() if s.get("side") != "input"}
     if not untie:
@@ -79,6 +81,11 @@ def untied_head(ckpt: Checkpoint, embedding: torch.Tensor, offset: float) -> tup
     if len(untie) > 1 or not ckpt.tied:
         raise QRecoverError(f"online rotations at {', '.join(untie)}: an export can fold a tied head's final-norm rotation "
                             "only; compress without rot+ in --encodings")
+    if embedding is None:
+        emb = next((n for n in ckpt.layers if ckpt.kind(n) == "embedding"), None)
+        if emb is None:
+            raise QRecoverError(f"{str(ckpt.path)!r} has a tied head's online rotation but no quantized embedding to untie it from")
+        embedding = ckpt.layers[emb].dequantize(torch.float32)
     (norm, spec), = untie.items()
     g = ckpt.remainder[f"{norm}.weight"].double() + offset
     r = rotation(int(spec["size"]), spec["kind"], int(spec["seed"]))

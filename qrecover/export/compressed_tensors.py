@@ -191,7 +191,7 @@ def _dense_model(ckpt: Checkpoint, layouts: dict[str, Any], targets: dict[str, A
         names = {m: n for n, m in model.named_modules()}
         emb, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
         offset = SUPPORTED[type(decoder_layers(model)[0]).__name__]  # Gemma's norms multiply by 1 + w
-        norm, w_head, w_norm = untied_head(ckpt, state[f"{emb}.weight"], offset)
+        norm, w_head, w_norm = untied_head(ckpt, offset, state[f"{emb}.weight"])
         state[f"{head}.weight"], state[f"{norm}.weight"] = w_head, w_norm
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")

@@ -89,9 +89,7 @@ def export_coreml(ckpt: Checkpoint, tmp: Path, log) -> dict[str, Any]:
     state = {k: v.float() for k, v in ckpt.remainder.items()}
     for name, qw in ckpt.layers.items():
         state[f"{name}.weight"] = qw.dequantize(torch.float32)
-    emb = next((n for n in ckpt.layers if ckpt.kind(n) == "embedding"), None)
-    offset = SUPPORTED.get(type(decoder_layers(model)[0]).__name__, 0.0)  # Gemma's norms multiply by 1 + w
-    untied = untied_head(ckpt, state[f"{emb}.weight"], offset) if emb is not None else None
+    untied = untied_head(ckpt, SUPPORTED.get(type(decoder_layers(model)[0]).__name__, 0.0))  # Gemma's norms: 1 + w
     if untied is not None:  # rot+ on a tied head: no online final-norm rotation in Core ML, so the head is untied
         norm, head, w_norm = untied
         state[f"{norm}.weight"] = w_norm

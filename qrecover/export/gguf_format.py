@@ -380,12 +380,10 @@ HEAD_TYPE = "Q8_0"
 def _untied_head(ckpt: Checkpoint, gguf: Any, arch: GGUFArch):
     """``(GGUF blocks, report, final norm, its new weight)`` of the untied head of a ``rot+`` checkpoint with a tied
     head (None for any other), in :data:`HEAD_TYPE`."""
-    if not any(s.get("side") != "input" for s in ckpt.manifest.get("transforms", {}).get("online", {}).values()):
+    folded = untied_head(ckpt, 1.0 if arch.norm_plus_one else 0.0)
+    if folded is None:
         return None
-    emb = next((n for n in ckpt.layers if ckpt.kind(n) == "embedding"), None)
-    if emb is None:
-        raise QRecoverError(f"{str(ckpt.path)!r} has a tied head's online rotation but no quantized embedding to untie it from")
-    norm, head, w_norm = untied_head(ckpt, ckpt.layers[emb].dequantize(torch.float32), 1.0 if arch.norm_plus_one else 0.0)
+    norm, head, w_norm = folded
     qtype = getattr(gguf.GGMLQuantizationType, HEAD_TYPE)
     data = gguf.quants.quantize(head.numpy(), qtype)
     back = torch.from_numpy(gguf.quants.dequantize(data, qtype).copy())
