@@ -113,6 +113,7 @@ def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(t
     code, out, err = cli(["info", str(tmp_path / "q")], capsys)
     text = " ".join((err + out).replace("│", " ").split())
     assert code == 0 and "rot+r4" in text and "3 rotation(s) at run time" in text
+    assert "compressed-tensors carries them; GGUF and Core ML refuse r4" in text  # as export does above
 
 
 @pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="needs compressed-tensors ([export-ct])")

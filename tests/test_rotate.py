@@ -186,7 +186,7 @@ def test_a_size_with_no_hadamard_construction_is_refused_before_any_work(tmp_pat
     get_transform("rot-block").check(model), get_transform("rot-random").check(model)
 
 
-def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir):
+def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir, capsys):
     cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+gptq:4/g16", embedding_bits="8",
                          calib_samples=2, seq_len=32)
     prepared = prepare(cfg, show_progress=False, lazy=False)
@@ -209,6 +209,9 @@ def test_rotated_checkpoint_reloads_with_the_in_memory_logits(tmp_path, tiny_dir
         without = bare(ids).logits
     assert torch.all(q.model.norm.weight != 1)  # tied: the final norm keeps its scale
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 0.1  # the re-attached hooks are what makes it exact
+    code, out, err = cli(["info", str(tmp_path / "q")], capsys)
+    text = " ".join((err + out).replace("│", " ").split())
+    assert code == 0 and "1 rotation(s) at run time (tied head" in text and "every export folds it into an untied head" in text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="needs compressed-tensors ([export-ct])")
