@@ -10,8 +10,13 @@ loss (exact layers, weight relative error) and this measures what it costs.
 
 Setup (optional, not in CI: a source build of llama.cpp, 3 min 32 s measured on 2 cores; the extra ``llamacpp``):
 
-    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF" \\
-        pip install --no-binary llama-cpp-python "qrecover[llamacpp]"
+    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF \\
+        -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \\
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \\
+        pip install --no-cache-dir --no-binary llama-cpp-python "qrecover[llamacpp]"
+
+(The native build, GGML_NATIVE, detects AMX on these machines and segfaults in llama_decode on every GGUF; without
+native flags and AMX it runs: docs/export.md, "Measured in llama.cpp itself".)
 
     python benchmarks/llamacpp.py                       # the two checkpoints below, compressed once under --out
     python benchmarks/llamacpp.py --checkpoint DIR ...  # any checkpoints
