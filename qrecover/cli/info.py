@@ -60,9 +60,8 @@ def info(
         t.add_row("transforms", f"{'+'.join(m['transforms']['names'])} ({m['transforms']['applies_to']})")
         if online := m["transforms"].get("online"):
             why = "; ".join(sorted({s.get("why", "") for s in online.values()}))
-            r4 = any(s.get("why", "").startswith("r4") for s in online.values())
-            where = ("compressed-tensors carries them; GGUF and Core ML refuse r4" if r4 else
-                     "every export folds it into an untied head")
+            where = ("compressed-tensors carries them; GGUF and Core ML refuse r4"  # an input-side rotation: r4
+                     if any(s.get("side") == "input" for s in online.values()) else "every export folds it into an untied head")
             t.add_row("online", f"{len(online)} rotation(s) at run time ({why}): qrecover.load re-attaches them; {where}")
     c = m["calibration"]
     loss = "" if c.get("loss") is None else f", loss {c['loss']:.3f}"
