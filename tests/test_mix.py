@@ -80,7 +80,7 @@ def test_recipe_round_trip_and_fractions(tiny_sources):
     assert back == m and back.to_dict() == m.to_dict()
     assert Mix.from_dict(m.to_dict(), base_dir=tiny_sources) == m
     # each kind is a registered class, every key documented where it is declared
-    assert list(SOURCES) == ["text", "jsonl", "parquet", "hf", "builtin", "selfgen"]
+    assert list(SOURCES) == ["text", "jsonl", "parquet", "hf", "builtin", "selfgen", "selftext"]
     for kind, cls in SOURCES.items():
         assert cls().kind == kind and cls.keys()[:3] == ("name", "kind", "weight")
         assert all(f.metadata.get("help") for f in dataclasses.fields(cls)), kind
@@ -120,6 +120,11 @@ def test_default_mix_loads():
     ({"source": ["builtin"]}, "source #1 must be a table"),
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "model": "/no/such/model"}]}, "source 'a': model = '/no/such/model' does not exist"),
     ({"source": [{"name": "a", "kind": "selfgen", "weight": 1, "topics": "/no/such/docs"}]}, "source 'a': topics = '/no/such/docs': text source"),
+    ({"source": [{"name": "a", "kind": "selftext", "weight": 1, "max_new_tokens": 0}]}, "max_new_tokens = 0 must be a positive integer"),
+    ({"source": [{"name": "a", "kind": "selftext", "weight": 1, "top_p": 0}]}, "top_p = 0 in (0, 1]"),
+    ({"source": [{"name": "a", "kind": "selftext", "weight": 1, "model": "/no/such/model"}]}, "source 'a': model = '/no/such/model' does not exist"),
+    ({"source": [{"name": "a", "kind": "selftext", "weight": 1, "topics": "general"}]}, "unknown key 'topics'; allowed keys: name, kind, weight, "
+     "samples"),
 ])
 def test_recipe_errors(tiny_sources, recipe, message):
     with pytest.raises(QRecoverError) as e:

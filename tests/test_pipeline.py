@@ -96,6 +96,16 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+class Crash(Exception):
+    pass
+
+
+def crash_at_step_2(info):
+    """A training callback: Ctrl-C (or any crash) after the second step's checkpoint."""
+    if info["step"] == 2:
+        raise Crash
+
+
 def snapshot(d: Path) -> dict[str, int]:
     return {str(p.relative_to(d)): p.stat().st_mtime_ns for p in sorted(d.rglob("*")) if p.is_file()}
 
@@ -118,10 +128,16 @@ def test_recipe_round_trips(tmp_path):
     d = Recipe()  # every section has its documented default
     assert d.eval.tasks == ["ifeval", "gsm8k", "mmlu", "ppl", "kl"] and d.eval.limit is None
     assert d.compress.bpw == [3.7] and d.recover.ranks == [16] and d.model_spec is None
+    assert d.tune is None and "tune" not in d.to_dict() and "[tune]" not in d.to_toml()  # optional: absent = no tune stages
+    t = Recipe.from_dict({**r.to_dict(), "tune": {"tokens": 512, "params": "tables,norms", "lr": 1e-3}}, base_dir=tmp_path)
+    assert t.tune.options == {"tokens": 512, "params": "tables,norms", "lr": 1e-3}
+    again = load_recipe(t.save(tmp_path / "t.toml"))
+    assert again == t and tomllib.loads(t.to_toml())["tune"] == {"tokens": 512, "params": "tables,norms", "lr": 1e-3}
 
 
 BAD = [
-    ('bogus = 1\n', r"unknown key\(s\) \['bogus'\] at the top of the recipe; allowed keys: model, work_dir, report_dir, eval, compress, recover"),
+    ('bogus = 1\n', r"unknown key\(s\) \['bogus'\] at the top of the recipe; allowed keys: model, work_dir, report_dir, eval, "
+                   r"compress, tune, recover"),
     ('[compress]\nbpw = [3.7]\nbpww = 3\n', r"\[compress\]: unknown key\(s\) \['bpww'\]; allowed keys: bpw, scope, bits, scheme"),
     ('[recover]\nrank = 16\n', r"\[recover\]: unknown key\(s\) \['rank'\]; allowed keys: ranks, alpha"),
     ('[eval]\nlimt = 5\n', r"\[eval\]: unknown key\(s\) \['limt'\]; allowed keys: tasks, limit, batch_size"),
@@ -136,6 +152,9 @@ BAD = [
     ('[eval]\nwindows = "many"\n', r"windows = 'many' must be a positive integer"),
     ('eval = 3\n', r"eval = 3 must be a table: write a \[eval\] section"),
     ('work_dir = 3\n', r"work_dir = 3 must be a string"),
+    ('[tune]\nrank = 4\n', r"\[tune\]: unknown key\(s\) \['rank'\]; allowed keys: tokens, mix"),
+    ('[tune]\nparams = "codes"\n', r"\[tune\]: --params 'codes': choose a comma-separated subset of tables, scales"),
+    ('tune = 1\n', r"tune = 1 must be a table: write a \[tune\] section"),
     ('[compress\nbpw = 1\n', r"is not valid TOML"),
 ]
 
@@ -234,9 +253,6 @@ def test_a_preset_whose_specs_change_reruns_compress_though_its_name_does_not(ex
 
 
 def test_interrupted_stage_leaves_no_marker_and_is_redone(exp):
-    class Crash(Exception):
-        pass
-
     def crash(event, stage):
         if event == "ran" and stage.name == "eval-5bpw":  # the work is done, the marker not yet written
             raise Crash
@@ -257,13 +273,6 @@ def test_interrupted_recover_resumes_its_checkpoint(exp, tiny_model_dir):
     set_recipe(exp, tiny_model_dir, tokens=64 * 2 * 3)  # 3 steps, a resumable checkpoint after each
     text = (exp / "recipe.toml").read_text().replace("checkpoint_every = 0", "checkpoint_every = 1")
     (exp / "recipe.toml").write_text(text)
-
-    class Crash(Exception):
-        pass
-
-    def crash_at_step_2(info):
-        if info["step"] == 2:
-            raise Crash
 
     with pytest.raises(Crash):
         run_pipeline(exp / "recipe.toml", show_progress=False, recover_callback=crash_at_step_2)
@@ -326,3 +335,62 @@ def test_recover_mix_may_name_a_prepared_data_directory_keyed_by_its_manifest(ex
     manifest["note"] = "changed"
     (exp / "prepared" / "manifest.json").write_text(json.dumps(manifest))
     assert make_plan(load_recipe(exp / "recipe.toml")).stage("recover-5bpw-r4").key != recover_stage.key
+
+
+# --- [tune] ---------------------------------------------------------------------------------------------
+
+TUNE = """
+[tune]
+tokens = 256
+seq_len = 64
+batch_size = 2
+objective = "ce"
+decontaminate = false
+checkpoint_every = 0
+rounding_windows = 1
+mix = "mix.toml"
+"""
+TUNED = ["tune-4.6bpw", "tune-5bpw", "eval-4.6bpw-tuned", "eval-5bpw-tuned", "report"]
+
+
+def test_tune_section_adds_tuned_checkpoints_and_rows_and_reruns_nothing_else(exp):
+    """Adding ``[tune]`` to a finished experiment runs the tune stages, their evaluations and the report; the
+    compressed checkpoints and the adapters stay cached. Each tuned checkpoint has its source's exact bytes count
+    and is a report row of its own (kind 'tuned', zero extra bytes)."""
+    old = {s.name: s.key for s in make_plan(load_recipe(exp / "recipe.toml")).stages}
+    (exp / "recipe.toml").write_text((exp / "recipe.toml").read_text() + TUNE)
+    plan = make_plan(load_recipe(exp / "recipe.toml"))
+    assert [s.name for s in plan.stages if s.status != "cached"] == TUNED
+    assert all(s.key == old[s.name] for s in plan.stages if s.name in old and s.name != "report")
+    assert plan.stage("tune-5bpw").inputs == {"compress-5bpw": old["compress-5bpw"]}
+    assert plan.stage("tune-5bpw").config["mix"] == {"sha256": sha256_file(exp / "mix.toml")}
+    summary = run_pipeline(exp / "recipe.toml", show_progress=False)
+    assert ran(summary) == TUNED
+    for b in ("4.6bpw", "5bpw"):
+        src, tuned = plan.stage(f"compress-{b}").dir / "checkpoint", plan.stage(f"tune-{b}").dir / "checkpoint"
+        manifest = json.loads((tuned / "qrecover.json").read_text())
+        assert manifest["tuning"]["tokens"] == 256 and manifest["tuning"]["source"]["manifest_sha256"] == sha256_file(src / "qrecover.json")
+        assert (tuned / "model.safetensors").stat().st_size == (src / "model.safetensors").stat().st_size
+        assert (tuned / "model.safetensors").read_bytes() != (src / "model.safetensors").read_bytes()
+        assert read_marker(plan.stage(f"tune-{b}").dir)["output"]["measured_bpw"] == manifest["measured_bpw"]
+    rep = json.loads((exp / "report" / "report.json").read_text())
+    assert [(r["kind"], r["adapter_rank"]) for r in rep["rows"]] == [("quantized", None), ("tuned", None), ("recovered", 4)] * 2
+    tuned_rows = [r for r in rep["rows"] if r["kind"] == "tuned"]
+    assert [r["label"].split(" bpw ")[1] for r in tuned_rows] == ["tuned", "tuned"]
+    assert all(r["bpw_with_adapter"] == r["bpw"] for r in tuned_rows)  # zero extra bytes
+    assert "| tuned |" in (exp / "report" / "report.md").read_text()
+    assert ran(run_pipeline(exp / "recipe.toml", show_progress=False)) == []
+
+
+def test_interrupted_tune_resumes_its_checkpoint(exp):
+    (exp / "recipe.toml").write_text((exp / "recipe.toml").read_text() + TUNE.replace("checkpoint_every = 0", "checkpoint_every = 1"))
+
+    with pytest.raises(Crash):
+        run_pipeline(exp / "recipe.toml", show_progress=False, recover_callback=crash_at_step_2)
+    plan = make_plan(load_recipe(exp / "recipe.toml"))
+    s = plan.stage("tune-4.6bpw")
+    assert (s.status, s.reason) == ("resume", "unfinished") and read_marker(s.dir) is None
+    summary = run_pipeline(exp / "recipe.toml", show_progress=False)
+    assert ran(summary) == TUNED and read_marker(s.dir)["output"]["resumed"] is True
+    steps = [json.loads(x)["step"] for x in (s.dir / "checkpoint" / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

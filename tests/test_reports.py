@@ -705,3 +705,29 @@ def test_plot_series_per_adapter_rank(tmp_path):
     texts = ["".join(t.itertext()).strip() for t in legend.iter(f"{SVG}text")]
     assert texts == ["quantized", "recovered (rank 8)", "recovered (rank 16)", "unquantized (100%)"]
     assert len([g for g in root.iter(f"{SVG}g") if (g.get("id") or "").startswith("panel-")]) == 3
+
+
+T37 = results("tuned", {"ifeval": (0.75, 0.02), "gsm8k": (0.47, 0.01), "ppl": (11.5, 0.5)}, bpw=3.7)
+
+
+def test_tuned_rows_sort_label_plot_and_gate(tmp_path):
+    """A checkpoint of `qrecover tune` is its own kind: between quantized and recovered at its bpw, zero extra bytes,
+    its own line in the plot, gated with --rows tuned and left out of --rows auto when recovered rows exist."""
+    import xml.etree.ElementTree as ET
+
+    rows = normalise([Results.from_dict(d) for d in (R37, T37, Q37)], Results.from_dict(BASE))
+    assert [r.label for r in rows] == ["3.70 bpw quantized", "3.70 bpw tuned", "3.70 bpw recovered (rank 16)"]
+    assert rows[1].bpw_with_adapter == rows[1].bpw == 3.7 and rows[1].adapter_rank is None
+    assert rows[1].cells["ppl"].ratio == pytest.approx(10.0 / 11.5)
+    with pytest.raises(QRecoverError, match="run.adapter"):  # a tuned run carries no adapter
+        Results.from_dict({**T37, "run": {**T37["run"], "adapter": {"path": "a", "rank": 4, "bpw_cost": 0.1}}})
+    report = {"metrics": ["ifeval", "ppl"], "rows": [r.to_dict() for r in rows]}
+    assert {c.row for c in gate(report, 0.9).cells} == {"3.70 bpw recovered (rank 16)"}
+    r = gate(report, 0.9, rows="tuned")
+    assert r.rows == "tuned" and {c.row for c in r.cells} == {"3.70 bpw tuned"} and not r.passed  # ppl 0.87 < 0.9
+    pytest.importorskip("matplotlib")
+    from qrecover.reports.render import plot_svg
+
+    legend = ET.fromstring(plot_svg(rows)).find(f".//{SVG}g[@id='legend']")
+    assert ["".join(t.itertext()).strip() for t in legend.iter(f"{SVG}text")] == [
+        "quantized", "tuned", "recovered (rank 16)", "unquantized (100%)"]

@@ -1,6 +1,9 @@
 """Self-generated post-training data (qrecover.data.selfgen): seed topics from the train split only, the
 prompt plan, batched generation mapped back to its prompts, truncation marks, determinism, the cache keyed by
 the model's weights and the settings, atomic writes, argument errors, and the 'selfgen' mix source end to end.
+Then free text (:func:`generate_free_text`, the ``selftext`` mix source): first tokens drawn from the ordinary
+vocabulary, each document cut at its first end-of-sequence token, seeded, cached (a hit generates nothing), nothing
+written on a crash, and every token of each document a training target.
 
 Most tests use ``Parrot``, a weightless stand-in model whose ``generate`` answers every prompt with the
 tokens of its own user message (+ EOS), cut at ``max_new_tokens``: the expected answer of each record and
@@ -27,7 +30,15 @@ from qrecover.data.chat import IGNORE, encode_chat
 from qrecover.data.corpus import SPLITS, _bucket, documents
 from qrecover.data.mix import MixLoader
 from qrecover.data.mix_recipe import Mix
-from qrecover.data.selfgen import GENERAL_TOPICS, GENERAL_TYPES, INSTRUCTION_TYPES, META_PROMPT, generate_chat_data, seed_topics
+from qrecover.data.selfgen import (
+    GENERAL_TOPICS,
+    GENERAL_TYPES,
+    INSTRUCTION_TYPES,
+    META_PROMPT,
+    generate_chat_data,
+    generate_free_text,
+    seed_topics,
+)
 from qrecover.errors import QRecoverError
 
 
@@ -537,3 +548,110 @@ def test_selfgen_mix_source_labels_only_assistant_tokens(smol_tok, untied, tmp_p
         left.remove(k)
     assert pos == total
     assert loader.report()["sources"]["sg"]["loss_tokens"] == sum(lab != IGNORE for lab in labels)
+
+
+# --- free text (selftext) -------------------------------------------------------------------------------
+
+
+class Script(torch.nn.Module):
+    """``generate``: row i of a batch continues with ``tails[i % len(tails)]`` (padded with the pad id)."""
+
+    def __init__(self, tok, tails, vocab):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("C", (), {"vocab_size": vocab})()
+        self.tails, self.calls = tails, []
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        assert input_ids.shape[1] == 1 and attention_mask.all()  # one first token, nothing else: no prompt, no padding
+        self.calls.append(generation_config)
+        rows = [self.tails[i % len(self.tails)][: generation_config.max_new_tokens] for i in range(len(input_ids))]
+        width = max(map(len, rows))
+        new = torch.tensor([r + [generation_config.pad_token_id] * (width - len(r)) for r in rows], dtype=torch.long)
+        return torch.cat([input_ids, new], 1)
+
+
+def test_free_text_starts_at_an_ordinary_token_and_ends_at_the_first_eos(smol_tok, tmp_path):
+    hello = smol_tok(" hello world", add_special_tokens=False)["input_ids"]
+    eos = smol_tok.eos_token_id
+    whole = hello * 2 + hello[:1]  # as long as the first tail: a generation that has not ended is never padded
+    model = Script(smol_tok, [hello + [eos] + hello, whole], len(smol_tok))
+    path = generate_free_text(model, smol_tok, n=5, batch_size=2, max_new_tokens=len(hello) * 2 + 1, show_progress=False,
+                              out_dir=tmp_path / "out")
+    rows = _rows(path)
+    assert [r["id"] for r in rows] == list(range(5)) and len(model.calls) == 3  # batches of 2, 2, 1
+    special = set(smol_tok.all_special_ids)
+    for i, r in enumerate(rows):
+        assert r["first_token"] not in special and 0 <= r["first_token"] < len(smol_tok)
+        first = smol_tok.decode([r["first_token"]])
+        if i % 2 == 0:  # row 0 of each batch: cut at the eos, what follows it dropped
+            assert r["finished"] and r["text"] == first + " hello world"
+        else:  # no eos within max_new_tokens: kept whole, marked unfinished
+            assert not r["finished"] and r["text"] == smol_tok.decode([r["first_token"]] + whole)
+    assert len({r["first_token"] for r in rows}) > 1
+    assert not model.calls[0].do_sample or model.calls[0].temperature == 1.0
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["rows"] == 5 and meta["finished"] == 3 and meta["settings"]["kind"] == "free"
+
+
+def test_free_text_is_seeded_cached_and_leaves_the_callers_rng_alone(smol_tok, untied, tmp_path, monkeypatch):
+    kw = dict(n=3, max_new_tokens=5, batch_size=2, show_progress=False)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = generate_free_text(untied, smol_tok, out_dir=tmp_path / "a", **kw)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = generate_free_text(untied, smol_tok, out_dir=tmp_path / "b", **kw)
+    assert a.name == b.name and a.read_bytes() == b.read_bytes()  # same model and settings: same bytes
+    other = generate_free_text(untied, smol_tok, out_dir=tmp_path / "a", seed=1, **kw)
+    assert other != a and [r["text"] for r in _rows(other)] != [r["text"] for r in _rows(a)]
+    greedy = generate_free_text(untied, smol_tok, out_dir=tmp_path / "a", temperature=0.0, **kw)
+    assert greedy not in (a, other)
+    assert all(r["text"].strip() for r in _rows(a))
+
+    def boom(*a, **k):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(untied, "generate", boom)
+    assert generate_free_text(untied, smol_tok, out_dir=tmp_path / "a", **kw) == a  # a cache hit runs nothing
+
+
+def test_free_text_crash_mid_generation_writes_nothing(smol_tok, tmp_path):
+    model = Script(smol_tok, [[5, 6]], len(smol_tok))
+    real = model.generate
+
+    def second_fails(*a, **k):
+        if model.calls:
+            raise RuntimeError("generation crashed")
+        return real(*a, **k)
+
+    model.generate = second_fails
+    with pytest.raises(RuntimeError, match="generation crashed"):
+        generate_free_text(model, smol_tok, n=4, batch_size=2, show_progress=False, out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0}, "n=0 must be a positive integer"),
+    ({"max_new_tokens": -1}, "max_new_tokens=-1 must be a positive integer"),
+    ({"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+])
+def test_free_text_argument_errors(smol_tok, untied, tmp_path, kwargs, message):
+    with pytest.raises(QRecoverError, match=message):
+        generate_free_text(untied, smol_tok, out_dir=tmp_path, show_progress=False, **kwargs)
+    with pytest.raises(QRecoverError, match="without its tokenizer"):
+        generate_free_text(untied, None, out_dir=tmp_path, show_progress=False)
+
+
+def test_selftext_mix_source_trains_on_every_token(smol_tok, untied, tmp_path):
+    recipe = {"source": [{"name": "free", "kind": "selftext", "weight": 1, "samples": 4, "max_new_tokens": 6, "batch_size": 4}]}
+    probe = MixLoader(Mix.from_dict(recipe), smol_tok, seq_len=8, total_tokens=8, model=untied, show_progress=False)
+    unique = probe.plan()[0]["unique_tokens"]
+    (path,) = (tmp_path / "cache" / "selfgen").glob("*-free-*.jsonl")
+    texts = [r["text"] for r in _rows(path)]
+    assert len(texts) == 4 and path == generate_free_text(untied, smol_tok, n=4, max_new_tokens=6, batch_size=4, show_progress=False)
+    loader = MixLoader(Mix.from_dict(recipe), smol_tok, seq_len=unique, total_tokens=unique, model=untied, show_progress=False)
+    (seq,) = list(loader)
+    ids, labels = seq["input_ids"].tolist(), seq["labels"].tolist()
+    assert labels == ids  # plain text: every token is a training target
+    decoded = smol_tok.decode(ids)
+    assert all(t in decoded for t in texts)

@@ -45,7 +45,8 @@ def gate(
     min_ratio: float = typer.Option(..., "--min-ratio",
                                     help="Least fraction of the unquantized score every checked cell must keep, e.g. 0.97 = 97%."),
     metric: list[str] = typer.Option([], "--metric", help="Per-metric threshold NAME=FRACTION, overriding --min-ratio (repeatable)."),
-    rows: str = typer.Option("auto", "--rows", help="Rows to check: auto (recovered rows, or all if none), all, quantized, recovered."),
+    rows: str = typer.Option("auto", "--rows", help="Rows to check: auto (recovered rows, or all if none), all, quantized, tuned (checkpoints of "
+                                                       "`qrecover tune`), recovered."),
     noise_aware: bool = typer.Option(False, "--noise-aware", help="Fail a cell only when ratio + one standard error is below its threshold."),
     include_uninformative: bool = typer.Option(False, "--include-uninformative", help="Also check metrics the report marks uninformative "
                                                                                       "(unquantized score within noise of chance); skipped by "

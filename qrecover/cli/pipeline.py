@@ -20,7 +20,7 @@ EXAMPLES = """Examples:
 
 A second run does nothing; a changed setting reruns its stage and what consumes it.
 
-After a crash only unfinished stages run; recovery training resumes its checkpoint.
+After a crash only unfinished stages run; recovery training and tuning resume their checkpoints.
 """
 
 
@@ -38,7 +38,8 @@ def _plan_table(plan) -> None:
 
 
 def pipeline(
-    recipe: str = typer.Argument(..., help="Recipe TOML (model, work_dir, report_dir and the eval, compress and recover tables), or the name of a "
+    recipe: str = typer.Argument(..., help="Recipe TOML (model, work_dir, report_dir and the eval, compress and recover tables; an optional tune "
+                                           "table), or the name of a "
                                            "shipped recipe: table10 (Table 10 on the default model; its relative paths are relative to the working "
                                            "directory)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (stages, keys, cached or to run) and stop."),
@@ -48,8 +49,9 @@ def pipeline(
                                                       "processes; the report is written when every stage is done."),
     json_out: bool = JsonOpt,
 ) -> None:
-    """The whole experiment from one recipe: evaluate the original, compress at each bpw, recover at each rank,
-    evaluate every model, write the Table-10 report. Completed stages are skipped."""
+    """The whole experiment from one recipe: evaluate the original, compress at each bpw, tune each checkpoint (with
+    a [tune] table), recover at each rank, evaluate every model, write the Table-10 report. Completed stages are
+    skipped."""
     from rich.markup import escape
 
     from ..pipeline import execute, load_recipe, make_plan  # lazy: pulls torch, transformers, peft

@@ -168,16 +168,45 @@ def _clean_prompt(text: str) -> str:
     return t[:600]
 
 
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    """The tokens that end a generation: the tokenizer's and the model's generation config's end-of-sequence ids."""
+    eos = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    eos.discard(None)
+    return eos
+
+
+def _cache_path(out_dir: str | os.PathLike | None, weights_sha: str, settings: dict[str, Any], tag: str) -> Path:
+    """Where the data of this model and these settings lives: ``<out_dir or cache_dir()/selfgen>/<weights>-<tag><settings>.jsonl``."""
+    settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    folder = Path(out_dir) if out_dir is not None else cache_dir() / "selfgen"
+    return folder / f"{weights_sha[:16]}-{tag}{settings_sha[:16]}.jsonl"
+
+
+def _store(path: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    """The sidecar ``.json``, then the jsonl (written last and atomically: its presence means complete)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for target, text in ((path.with_suffix(".json"), json.dumps(meta, indent=1)),
+                         (path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))):
+        write_text_atomic(target, text)
+    return path
+
+
+def _load_for_generation(model_spec_or_model: Any, tokenizer: Any) -> tuple[torch.nn.Module, Any]:
+    if isinstance(model_spec_or_model, torch.nn.Module):
+        return model_spec_or_model, tokenizer
+    model, loaded_tok, _ = load_model(None if model_spec_or_model is None else str(model_spec_or_model))
+    return model, tokenizer or loaded_tok
+
+
 def _generate(model: torch.nn.Module, tokenizer: Any, conversations: list[list[dict]], max_new_tokens: int,
               temperature: float, top_p: float, seed: int, batch_size: int, advance) -> list[tuple[str, bool]]:
     """``(answer text, finished)`` per conversation: greedy or seeded sampling, batched, KV cache."""
     from transformers import GenerationConfig
 
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    eos = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    eos.discard(None)
+    eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sample = temperature > 0
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
@@ -298,19 +327,13 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
                 "instruction_types": [list(t) for t in types],
                 "chat_template_sha256": (hashlib.sha256(str(getattr(tokenizer, "chat_template", None)).encode()).hexdigest()
                                          if tokenizer is not None else None)}
-    settings_sha = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    folder = Path(out_dir) if out_dir is not None else cache_dir() / "selfgen"
-    path = folder / f"{weights_sha[:16]}-{settings_sha[:16]}.jsonl"
+    path = _cache_path(out_dir, weights_sha, settings, "")
     if path.is_file():
         return path
 
     # --- load the model only on a cache miss ----------------------------------------------------------
     t0 = time.time()
-    if is_module:
-        model = model_spec_or_model
-    else:
-        model, loaded_tok, _ = load_model(None if model_spec_or_model is None else str(model_spec_or_model))
-        tokenizer = tokenizer or loaded_tok
+    model, tokenizer = _load_for_generation(model_spec_or_model, tokenizer)
     if getattr(tokenizer, "chat_template", None) is None:
         raise QRecoverError(f"the tokenizer of {model_name!r} has no chat template; self-generated chat data needs an instruct model")
     was_training = model.training
@@ -327,11 +350,78 @@ def generate_chat_data(model_spec_or_model: Any = None, tokenizer: Any = None, n
             "truncated": sum(1 for r in rows if r["messages"][1].get("truncated")),
             "prompt_source": {k: sources.count(k) for k in ("model", "template")},
             "seconds": round(time.time() - t0, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    folder.mkdir(parents=True, exist_ok=True)
-    for target, text in ((path.with_suffix(".json"), json.dumps(meta, indent=1)),
-                         (path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))):  # the jsonl last
-        write_text_atomic(target, text)
-    return path
+    return _store(path, meta, rows)
 
 
-__all__ = ["INSTRUCTION_TYPES", "GENERAL_TOPICS", "GENERAL_TYPES", "META_PROMPT", "seed_topics", "generate_chat_data"]
+FREE_VERSION = 1
+
+
+def generate_free_text(model_spec_or_model: Any = None, tokenizer: Any = None, n: int = 256, seed: int = 0,
+                       max_new_tokens: int = 512, temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 32,
+                       show_progress: bool = True, out_dir: str | os.PathLike | None = None) -> Path:
+    """Generate (or find in the cache) ``n`` documents the unquantized model writes with no prompt at all, each from
+    one random first token; returns the jsonl path (one ``{"text", "first_token", "finished", "id"}`` per line).
+
+    This is LLM-QAT's data-free distillation data (Liu et al. 2023): text drawn from the model's own distribution,
+    not from any domain the user picked, so recovery that distils on it follows the teacher wherever it is likely
+    to go. The first token is drawn uniformly (seeded) from the vocabulary without its special tokens; generation
+    then samples (``temperature``, ``top_p``; ``temperature=0``: greedy) up to ``max_new_tokens`` or an
+    end-of-sequence token. No chat template is applied, so a base model works as well as an instruct one. Cached
+    like :func:`generate_chat_data`: same model and settings, the same file, found without loading the model.
+    """
+    for name, v in (("n", n), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise QRecoverError(f"{name}={v!r} must be a positive integer")
+    if not (temperature >= 0 and 0 < top_p <= 1):
+        raise QRecoverError(f"temperature={temperature} must be >= 0 and top_p={top_p} in (0, 1]")
+    if isinstance(model_spec_or_model, torch.nn.Module) and tokenizer is None:
+        raise QRecoverError("generate_free_text got a model object without its tokenizer; pass tokenizer=")
+    weights_sha, model_name = _weights_sha(model_spec_or_model)
+    settings = {"version": FREE_VERSION, "kind": "free", "n": n, "seed": seed, "max_new_tokens": max_new_tokens,
+                "temperature": temperature, "top_p": top_p, "batch_size": batch_size}
+    path = _cache_path(out_dir, weights_sha, settings, "free-")
+    if path.is_file():
+        return path
+
+    t0 = time.time()
+    model, tokenizer = _load_for_generation(model_spec_or_model, tokenizer)
+    from transformers import GenerationConfig
+
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([i for i in range(len(tokenizer)) if i not in special and i < model.config.vocab_size])
+    g = torch.Generator().manual_seed(seed)
+    first = ordinary[torch.randint(len(ordinary), (n,), generator=g)]
+    eos = _eos_ids(model, tokenizer)
+    sample = temperature > 0
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+                           top_p=top_p if sample else None, top_k=None, eos_token_id=sorted(eos),
+                           pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos), use_cache=True)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rows = []
+    try:
+        with steps(show_progress, f"self-generate {n} free texts ({model_name})", n) as advance:
+            for b in range(0, n, batch_size):
+                ids = first[b : b + batch_size, None].to(device)  # one token each: no padding
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+                    torch.manual_seed(seed * 1_000_003 + b)
+                    seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+                for j, seq in enumerate(seqs.tolist()):
+                    new = seq[1:]
+                    stop = next((k for k, t in enumerate(new) if t in eos), None)
+                    text = tokenizer.decode(seq[:1] + (new[:stop] if stop is not None else new), skip_special_tokens=True)
+                    rows.append({"text": text, "first_token": seq[0], "finished": stop is not None, "id": b + j})
+                advance(len(seqs))
+    finally:
+        model.train(was_training)
+    meta = {"model": {"name": model_name, "weights_sha256": weights_sha,
+                      "spec": None if isinstance(model_spec_or_model, torch.nn.Module) or model_spec_or_model is None
+                      else str(model_spec_or_model)},
+            "settings": settings, "rows": len(rows), "finished": sum(r["finished"] for r in rows),
+            "seconds": round(time.time() - t0, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return _store(path, meta, rows)
+
+
+__all__ = ["INSTRUCTION_TYPES", "GENERAL_TOPICS", "GENERAL_TYPES", "META_PROMPT", "seed_topics", "generate_chat_data",
+           "generate_free_text"]

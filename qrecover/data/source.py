@@ -28,7 +28,7 @@ _ACCEPTS = {"str": (str,), "int": (int,), "float": (int, float)}  # a TOML value
 class OpenContext:
     """What opening a source may need besides its own keys: ``base_dir`` resolves relative paths (the
     recipe's directory); ``tokenizer`` and ``model`` (a spec or an ``nn.Module``) are the loader's, for
-    kinds that generate their data (``selfgen``)."""
+    kinds that generate their data (``selfgen``, ``selftext``)."""
 
     base_dir: str | None = None
     tokenizer: Any = None
@@ -43,7 +43,7 @@ class Source(DictConfig):
     what = "source"
 
     name: str = doc_field(None, "unique name; it labels the source's sequences and report rows")
-    kind: str = doc_field(None, "text | jsonl | parquet | hf | builtin | selfgen (a registered source kind)")
+    kind: str = doc_field(None, "text | jsonl | parquet | hf | builtin | selfgen | selftext (a registered source kind)")
     weight: float = doc_field(None, "share of the training tokens (normalised over the sources; >= 0)")
 
     @classmethod

@@ -10,6 +10,7 @@ parquet    rows of Parquet files, the same fields
 hf         a streamed Hugging Face dataset
 builtin    the built-in corpus (the Python documentation), one of its splits
 selfgen    chats the unquantized instruct model writes (:mod:`.selfgen`), cached as JSONL
+selftext   text the unquantized model writes with no prompt, from a random first token (LLM-QAT's data-free data)
 =========  ==================================================================================================
 """
 
@@ -24,9 +25,10 @@ from ..errors import QRecoverError
 from ..fields import doc_field
 from .corpus import SPLITS, source_files
 from .documents import JsonlDocs, Limited, ParquetDocs, StreamDocs, list_files, resolve_path, text_docs
-from .selfgen import generate_chat_data
+from .selfgen import generate_chat_data, generate_free_text
 from .source import OpenContext, Source, register_source
 
+GENERATED_KINDS = ("selfgen", "selftext")  # written by the unquantized model (the loader's `model` unless they name one)
 _MAX_DOCUMENTS = "use only the first N documents (in the source's fixed order)"
 _FIELD = "the field holding a document's text"
 _MESSAGES_FIELD = "the field holding a chat (list of {role, content}); it wins over `field` when present"
@@ -137,9 +139,27 @@ class BuiltinSource(Source):
         return _limited(text_docs("python-docs", self.split or "train"), self.max_documents)
 
 
+class _GeneratedSource(Source):
+    """A source the unquantized model writes, cached as JSONL; its kinds declare ``model`` (None = the loader's model)."""
+
+    def check(self, base_dir: str | None) -> None:
+        if self.model is not None and not Path(self.model).expanduser().exists():
+            raise QRecoverError(f"source {self.name!r}: model = {self.model!r} does not exist; name an HF model "
+                                "directory or a .gguf file, or leave model out for the unquantized model")
+
+    def generate(self, model: Any, tokenizer: Any, show_progress: bool) -> Path:
+        raise NotImplementedError
+
+    def open(self, ctx: OpenContext) -> Any:
+        model = self.model or ctx.model
+        tokenizer = ctx.tokenizer if model is not None and not isinstance(model, (str, os.PathLike)) else None
+        path = self.generate(model, tokenizer, ctx.show_progress)
+        return JsonlDocs([path], JsonlSource(name=self.name, weight=self.weight, path=str(path)))
+
+
 @register_source
 @dataclass
-class SelfgenSource(Source):
+class SelfgenSource(_GeneratedSource):
     kind: str = doc_field("selfgen", "chats the unquantized instruct model writes (qrecover.data.selfgen), cached as JSONL")
     samples: int = doc_field(256, "conversations to generate")
     max_new_tokens: int = doc_field(192, "answer length cap (answers cut there are marked truncated)")
@@ -160,9 +180,7 @@ class SelfgenSource(Source):
             raise QRecoverError(f"{where}: temperature = {self.temperature} must be >= 0 and top_p = {self.top_p} in (0, 1]")
 
     def check(self, base_dir: str | None) -> None:
-        if self.model is not None and not Path(self.model).expanduser().exists():
-            raise QRecoverError(f"source {self.name!r}: model = {self.model!r} does not exist; name an HF model "
-                                "directory or a .gguf file, or leave model out for the unquantized model")
+        super().check(base_dir)
         if self.topics != "general":
             try:
                 source_files(self.topics)
@@ -170,13 +188,39 @@ class SelfgenSource(Source):
                 raise QRecoverError(f"source {self.name!r}: topics = {self.topics!r}: {e}; or topics = "
                                     "\"general\" for the built-in everyday subjects") from None
 
-    def open(self, ctx: OpenContext) -> Any:
-        model = self.model or ctx.model
-        tokenizer = ctx.tokenizer if model is not None and not isinstance(model, (str, os.PathLike)) else None
-        path = generate_chat_data(model, tokenizer, n=self.samples, seed=self.seed, max_new_tokens=self.max_new_tokens,
+    def generate(self, model: Any, tokenizer: Any, show_progress: bool) -> Path:
+        return generate_chat_data(model, tokenizer, n=self.samples, seed=self.seed, max_new_tokens=self.max_new_tokens,
                                   temperature=self.temperature, top_p=self.top_p, batch_size=self.batch_size,
-                                  prompt_mode=self.prompt_mode, topics_source=self.topics, show_progress=ctx.show_progress)
-        return JsonlDocs([path], JsonlSource(name=self.name, weight=self.weight, path=str(path)))
+                                  prompt_mode=self.prompt_mode, topics_source=self.topics, show_progress=show_progress)
 
 
-__all__ = ["TextSource", "JsonlSource", "ParquetSource", "HFSource", "BuiltinSource", "SelfgenSource"]
+@register_source
+@dataclass
+class SelftextSource(_GeneratedSource):
+    kind: str = doc_field("selftext", "text the unquantized model writes with no prompt, each document from one random first "
+                                      "token (LLM-QAT's data-free data; qrecover.data.selfgen), cached as JSONL")
+    samples: int = doc_field(256, "documents to generate")
+    max_new_tokens: int = doc_field(512, "length cap of a document in tokens (it ends earlier at an end-of-sequence token)")
+    temperature: float = doc_field(1.0, "sampling temperature (0 = greedy from the random first token)")
+    top_p: float = doc_field(1.0, "nucleus sampling mass")
+    seed: int = doc_field(0, "seed of the first tokens and of sampling")
+    model: str | None = doc_field(None, "the model that writes the text (None = the loader's `model`, else the built-in default)")
+    batch_size: int = doc_field(32, "documents generated together")
+
+    def validate(self, where: str, given: dict[str, Any]) -> None:
+        super().validate(where, given)
+        for k in ("samples", "max_new_tokens", "batch_size"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise QRecoverError(f"{where}: {k} = {v!r} must be a positive integer")
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise QRecoverError(f"{where}: temperature = {self.temperature} must be >= 0 and top_p = {self.top_p} in (0, 1]")
+
+    def generate(self, model: Any, tokenizer: Any, show_progress: bool) -> Path:
+        return generate_free_text(model, tokenizer, n=self.samples, seed=self.seed, max_new_tokens=self.max_new_tokens,
+                                  temperature=self.temperature, top_p=self.top_p, batch_size=self.batch_size,
+                                  show_progress=show_progress)
+
+
+__all__ = ["TextSource", "JsonlSource", "ParquetSource", "HFSource", "BuiltinSource", "SelfgenSource", "SelftextSource",
+           "GENERATED_KINDS"]

@@ -242,7 +242,7 @@ def run_info(cfg: EvalConfig, info: dict[str, Any], manifest: dict[str, Any] | N
                        versions=versions())
     bpw = manifest["measured_bpw"]
     return RunInfo(
-        model=info["path"], kind="recovered" if adapter else "quantized",
+        model=info["path"], kind="recovered" if adapter else "tuned" if manifest.get("tuning") else "quantized",
         measured_bpw=MeasuredBpw(model=float(bpw["model"]), linear=float(bpw["linear"])),
         adapter=Adapter(path=str(adapter["path"]), rank=int(adapter["rank"]), bpw_cost=float(adapter["bpw_cost"])) if adapter else None,
         manifest_sha256=sha256_file(Path(info["path"]) / MANIFEST), versions=versions(),

@@ -162,6 +162,14 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
         keyed = {**cfg.to_dict(), **c_keyed, "model_sha256": weights, "candidates": _candidates(cfg)}
         del keyed["model"]
         compressed[b] = add(f"compress-{_bpw_name(b)}", "compress", keyed, [], bpw=b, options=c_run)
+    tuned: dict[float, Stage] = {}
+    if recipe.tune is not None:
+        t_keyed, t_run = _keyed_options(recipe, "tune", recipe.tune.options)
+        if "mix" not in recipe.tune.options:
+            t_keyed["mix"] = {"sha256": sha256_file(shipped_path(DEFAULT_MIX))}
+        t_cfg = {**recipe.tune.config(t_run).to_dict(), **t_keyed}
+        for b in recipe.compress.bpw:
+            tuned[b] = add(f"tune-{_bpw_name(b)}", "tune", t_cfg, [compressed[b]], options=t_run)
     recovered: dict[tuple[float, int], Stage] = {}
     for b in recipe.compress.bpw:
         for r in recipe.recover.ranks:
@@ -171,6 +179,8 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     evals = [original]
     for b in recipe.compress.bpw:
         evals.append(add(f"eval-{_bpw_name(b)}", "eval", ev_config, [compressed[b]], options=ev_run))
+    for b, t in tuned.items():
+        evals.append(add(f"eval-{_bpw_name(b)}-tuned", "eval", ev_config, [t], options=ev_run))
     for b in recipe.compress.bpw:
         for r in recipe.recover.ranks:
             evals.append(add(f"eval-{_bpw_name(b)}-r{r}", "eval", ev_config, [compressed[b], recovered[b, r]], options=ev_run))
@@ -197,6 +207,9 @@ def read_marker(stage_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+_RESUMABLE = {"recover": "adapter", "tune": "checkpoint"}  # a training stage's output dir: it resumes its checkpoints
+
+
 def _decide(stages: list[Stage], force: set[str]) -> None:
     runs: set[str] = set()
     for s in stages:
@@ -209,7 +222,7 @@ def _decide(stages: list[Stage], force: set[str]) -> None:
             s.status, s.reason = "run", "new"
         elif not done:
             # resume only on the same inputs: an input that runs again makes a new checkpoint
-            resumable = s.kind == "recover" and (s.dir / "adapter").is_dir() and not upstream
+            resumable = (s.dir / _RESUMABLE.get(s.kind, "-")).is_dir() and not upstream
             s.status, s.reason = ("resume" if resumable else "run"), "unfinished"
         elif upstream:
             s.status, s.reason = "run", f"input {upstream[0]} runs"

@@ -19,17 +19,17 @@ from ..fields import OptionsConfig, doc_field
 from ..io_utils import read_toml, toml_value, write_text_atomic
 from ..models import DEFAULT_MODEL
 from ..recipes import is_shipped, shipped_names, shipped_path
-from ..recovery.config import RecoverConfig
+from ..recovery.config import RecoverConfig, TuneConfig
 
 STAGE_FILE = "stage.json"
 REPORT_FILES = ("report.md", "report.json", "report.html")
-KINDS = ("eval", "compress", "recover", "report")
+KINDS = ("eval", "compress", "tune", "recover", "report")
 DEFAULT_TASKS = ["ifeval", "gsm8k", "mmlu", "ppl", "kl"]
 
 # options that name a path: resolved against the recipe's directory; keyed by content ("data": text files,
 # "file": one file) or by the weights hash ("model")
-_PATH_OPTIONS = {("compress", "calib_data"): "data", ("recover", "mix"): "file", ("eval", "ppl_data"): "data",
-                 ("eval", "reference"): "model"}
+_PATH_OPTIONS = {("compress", "calib_data"): "data", ("recover", "mix"): "file", ("tune", "mix"): "file",
+                 ("eval", "ppl_data"): "data", ("eval", "reference"): "model"}
 
 
 
@@ -48,6 +48,14 @@ def _compress_fields() -> list[str]:
 def _recover_fields() -> list[str]:
 
     return [f.name for f in dataclasses.fields(RecoverConfig) if f.name != "rank"]
+
+
+_LORA_FIELDS = ("rank", "alpha", "init", "rank_allocation", "targets", "head_rank", "adapter_bits", "dropout")
+
+
+def _tune_fields() -> list[str]:
+
+    return [f.name for f in dataclasses.fields(TuneConfig) if f.name not in _LORA_FIELDS]
 
 
 def _eval_fields() -> list[str]:
@@ -173,7 +181,37 @@ class RecoverSection(OptionsConfig):
 
 
 
-_SECTIONS = {"eval": EvalSection, "compress": CompressSection, "recover": RecoverSection}
+@dataclass
+class TuneSection(OptionsConfig):
+    """``[tune]`` (optional): one tuned checkpoint per budget (`qrecover tune`: the checkpoint's tables, scales and
+    norms trained end to end, codes frozen, zero extra bytes), evaluated as its own row. The adapters of
+    ``[recover]`` still train on the compressed checkpoint, so adding ``[tune]`` reruns none of them."""
+
+    options: dict[str, Any] = doc_field(None, "any TuneConfig field (tokens, params, lr, mix, objective, block_tokens, ...), "
+                                              "written as a key of [tune] itself")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Values checked now (QRecoverError naming the key and the fix), not after compression ran."""
+        self.options = {k: v for k, v in (self.options or {}).items() if v is not None}
+        _check_options("tune", self.options, (), _tune_fields())
+        self.config()
+
+    def config(self, options: dict[str, Any] | None = None):
+
+        try:
+            return TuneConfig(**(self.options if options is None else options))
+        except QRecoverError as e:
+            raise QRecoverError(f"[tune]: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise QRecoverError(f"[tune] has a value of the wrong type ({e}); see `qrecover tune --help`") from None
+
+
+
+_SECTIONS = {"eval": EvalSection, "compress": CompressSection, "tune": TuneSection, "recover": RecoverSection}
+OPTIONAL_SECTIONS = ("tune",)  # absent from the TOML = no such stages
 
 
 @dataclass
@@ -186,6 +224,8 @@ class Recipe:
     eval: EvalSection = doc_field(None, "[eval]: tasks, limit and other evaluation settings")
     compress: CompressSection = doc_field(None, "[compress]: bpw budgets and other compression settings")
     recover: RecoverSection = doc_field(None, "[recover]: ranks and other recovery-training settings")
+    tune: TuneSection | None = doc_field(None, "[tune] (optional): tune each checkpoint's quantization parameters, zero extra "
+                                               "bytes, as a row of its own; absent = no tuned rows")
     base_dir: Path = dataclasses.field(default=None, repr=False, compare=False,
                                        metadata={"help": "directory relative paths resolve against: the recipe file's (not saved)"})
     source: str | None = dataclasses.field(default=None, repr=False, compare=False,
@@ -215,8 +255,11 @@ class Recipe:
         return None if self.model.strip() in ("", "default", DEFAULT_MODEL) else str(self.path(self.model))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "work_dir": self.work_dir, "report_dir": self.report_dir,
-                "eval": self.eval.to_dict(), "compress": self.compress.to_dict(), "recover": self.recover.to_dict()}
+        d = {"model": self.model, "work_dir": self.work_dir, "report_dir": self.report_dir,
+             "eval": self.eval.to_dict(), "compress": self.compress.to_dict(), "recover": self.recover.to_dict()}
+        if self.tune is not None:
+            d["tune"] = self.tune.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, base_dir: str | os.PathLike | None = None, source: str | None = None) -> "Recipe":
@@ -228,6 +271,8 @@ class Recipe:
             raise QRecoverError(f"unknown key(s) {unknown} at the top of the recipe; allowed keys: {', '.join(allowed)}")
         sections = {}
         for name, cls_ in _SECTIONS.items():
+            if name in OPTIONAL_SECTIONS and name not in d:
+                continue
             s = d.get(name, {})
             if not isinstance(s, dict):
                 raise QRecoverError(f"{name} = {s!r:.60} must be a table: write a [{name}] section")
@@ -239,7 +284,8 @@ class Recipe:
         d = self.to_dict()
         lines = [f"{k} = {toml_value(d[k])}" for k in ("model", "work_dir", "report_dir")]
         for name in _SECTIONS:
-            lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in d[name].items()]
+            if name in d:
+                lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in d[name].items()]
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -66,7 +66,7 @@ def _run_eval(s: Stage, ctx: _Context) -> dict[str, Any]:
     model, adapter = s.params.get("model"), None
     for name in s.inputs:
         kind = ctx.plan.stage(name).kind
-        if kind == "compress":
+        if kind in ("compress", "tune"):
             model = str(ctx.dir_of(name) / "checkpoint")
         elif kind == "recover":
             adapter = str(ctx.dir_of(name) / "adapter")
@@ -101,6 +101,20 @@ def _run_recover(s: Stage, ctx: _Context) -> dict[str, Any]:
             "final_loss": meta.get("training", {}).get("final_loss")}
 
 
+def _run_tune(s: Stage, ctx: _Context) -> dict[str, Any]:
+
+    from ..recovery.tune import tune
+
+    (dep,) = s.inputs
+    cfg = ctx.plan.recipe.tune.config(s.params["options"])
+    resume = s.status == "resume"
+    manifest = tune(ctx.dir_of(dep) / "checkpoint", s.dir / "checkpoint", cfg, overwrite=not resume, resume=resume,
+                    show_progress=ctx.show_progress, callback=ctx.recover_callback)
+    t = manifest["tuning"]
+    return {"checkpoint": "checkpoint", "resumed": resume, "measured_bpw": manifest["measured_bpw"],
+            "final_loss": t["training"].get("final_loss"), "rounding": t.get("rounding")}
+
+
 def _run_report(s: Stage, ctx: _Context) -> dict[str, Any]:
 
     (s.dir / "results").mkdir(parents=True, exist_ok=True)
@@ -122,7 +136,7 @@ def _run_report(s: Stage, ctx: _Context) -> dict[str, Any]:
 
 
 _RUNNERS: dict[str, Callable[[Stage, _Context], dict[str, Any]]] = {
-    "eval": _run_eval, "compress": _run_compress, "recover": _run_recover, "report": _run_report}
+    "eval": _run_eval, "compress": _run_compress, "tune": _run_tune, "recover": _run_recover, "report": _run_report}
 
 
 def _write_marker(s: Stage, plan: Plan, started: float, output: dict[str, Any]) -> None:
@@ -172,7 +186,7 @@ def execute(plan: Plan, show_progress: bool = True, hook: Callable[[str, Stage],
 
     ``hook(event, stage)`` is called with ``"skip"`` for a cached stage, and ``"start"``, ``"ran"`` (output
     written, ``stage.json`` not yet) and ``"done"`` for one that runs; an exception it raises stops the
-    pipeline there, as a crash would. ``recover_callback``: passed to every recover stage's training loop.
+    pipeline there, as a crash would. ``recover_callback``: passed to every recover and tune stage's training loop.
     Returns the plan's dict with each stage's status ``ran`` or ``cached`` and its seconds, plus the report.
     """
     from rich.console import Console

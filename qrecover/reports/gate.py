@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import QRecoverError
+from .results import KINDS
 
-ROW_CHOICES = ("auto", "all", "quantized", "recovered")
+ROW_CHOICES = ("auto", "all", "quantized", "tuned", "recovered")
 EPS = 1e-9  # a ratio equal to its threshold passes even when float division lands a hair below it
 
 
@@ -45,7 +46,7 @@ class GateCell:
 @dataclass
 class GateResult:
     passed: bool
-    rows: str  # which rows were checked: "recovered", "all", "quantized"
+    rows: str  # which rows were checked: "recovered", "all", "quantized", "tuned"
     noise_aware: bool
     cells: list[GateCell] = field(default_factory=list)
     include_uninformative: bool = False
@@ -76,7 +77,7 @@ def _rows(report: Any) -> tuple[list[dict], list[str]]:
     if not rows:
         raise QRecoverError("the report has no rows; there is nothing to gate")
     for i, r in enumerate(rows):
-        if not isinstance(r, Mapping) or not isinstance(r.get("cells"), Mapping) or r.get("kind") not in ("original", "quantized", "recovered"):
+        if not isinstance(r, Mapping) or not isinstance(r.get("cells"), Mapping) or r.get("kind") not in KINDS:
             raise QRecoverError(f"report row {i} is malformed: expected 'label', 'kind' and 'cells'")
         for key in ("skipped", "uninformative"):
             if not isinstance(r.get(key, {}), Mapping):
@@ -94,8 +95,8 @@ def gate(report: Mapping[str, Any], min_ratio: float, per_metric: Mapping[str, f
          rows: str = "auto", noise_aware: bool = False, include_uninformative: bool = False) -> GateResult:
     """Check the report's cells against ``min_ratio`` (or ``per_metric[name]`` where given).
 
-    ``rows``: 'auto' = the recovered rows, or every row when the report has none; 'all'; 'quantized';
-    'recovered'. A cell passes when ``ratio >= threshold``; with ``noise_aware`` it fails only when
+    ``rows``: 'auto' = the recovered rows, or every row when the report has none; 'all'; 'quantized'; 'tuned'
+    (checkpoints of `qrecover tune`); 'recovered'. A cell passes when ``ratio >= threshold``; with ``noise_aware`` it fails only when
     ``ratio + ratio_stderr < threshold`` (one standard error of slack; a cell without a stderr is compared
     plainly). A metric the report lists but a checked row did not measure fails ("not measured"); one the row
     skipped is listed as skipped and left out of the verdict, unless ``per_metric`` names it (then it fails).

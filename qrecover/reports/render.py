@@ -30,7 +30,7 @@ from typing import Any
 
 from ..io_utils import atomic_dir
 from .results import Results
-from .table import RATIO_NOTE, UNINFORMATIVE_RULE, Row, metric_names
+from .table import KIND_ORDER, RATIO_NOTE, UNINFORMATIVE_RULE, Row, metric_names
 
 REPORT_VERSION = 1
 MARK = "†"  # flags an uninformative metric in the tables
@@ -136,6 +136,7 @@ def render_markdown(rows: Sequence[Row], baseline: Results) -> str:
 PANEL_COLUMNS = 4  # panels per row of the figure
 PANEL_SIZE = (3.1, 2.45)  # inches per panel (at 96 px/inch: ~300 x 235 px)
 QUANTIZED_STYLE = {"color": "#1f77b4", "linestyle": "--", "marker": "o"}
+TUNED_STYLE = {"color": "#6a3d9a", "linestyle": "-.", "marker": "s"}  # tuned checkpoints: zero extra bytes
 RECOVERED_COLORS = ("#d95f02", "#1b9e77", "#7570b3", "#e7298a", "#66a61e")  # one per adapter rank
 PANEL_MEASURE = {"nats": "as exp(-KL)", "fraction": "as 1 - rate"}  # what 100% means where the baseline is 0
 
@@ -153,8 +154,9 @@ def plotted_metrics(rows: Sequence[Row]) -> list[str]:
 
 
 def _series(rows: Sequence[Row]) -> list[tuple[str, int]]:
-    """``(kind, rank)`` of every line: quantized (rank 0), then recovered per adapter rank."""
-    return sorted({(r.kind, r.adapter_rank or 0) for r in rows if r.kind != "original" and r.bpw is not None})
+    """``(kind, rank)`` of every line: quantized (rank 0), tuned (rank 0), then recovered per adapter rank."""
+    return sorted({(r.kind, r.adapter_rank or 0) for r in rows if r.kind != "original" and r.bpw is not None},
+                  key=lambda kr: (KIND_ORDER[kr[0]], kr[1]))
 
 
 def plot_svg(rows: Sequence[Row]) -> str | None:
@@ -195,9 +197,10 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
                 if not pts:
                     continue
                 offset = (i - (len(series) - 1) / 2) * dodge
-                style = (QUANTIZED_STYLE if kind == "quantized" else
-                         {"color": RECOVERED_COLORS[(i - 1) % len(RECOVERED_COLORS)], "linestyle": "-", "marker": "^"})
-                label = "quantized" if kind == "quantized" else f"recovered (rank {rank})"
+                n_plain = sum(k != "recovered" for k, _ in series)  # the quantized and tuned lines come first
+                style = ({"quantized": QUANTIZED_STYLE, "tuned": TUNED_STYLE}.get(kind) or
+                         {"color": RECOVERED_COLORS[(i - n_plain) % len(RECOVERED_COLORS)], "linestyle": "-", "marker": "^"})
+                label = kind if kind != "recovered" else f"recovered (rank {rank})"
                 err = [math.nan if c.ratio_stderr is None else 100 * c.ratio_stderr for _, c in pts]
                 handles[label] = ax.errorbar([x + offset for x, _ in pts], [c.percent for _, c in pts],
                                              yerr=None if all(math.isnan(e) for e in err) else err,

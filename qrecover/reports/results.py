@@ -42,7 +42,7 @@ from ..fields import doc_field
 from ..io_utils import read_json
 
 SCHEMA_VERSION = 1
-KINDS = ("original", "quantized", "recovered")
+KINDS = ("original", "quantized", "tuned", "recovered")
 SCALES = ("ratio", "nats", "fraction")
 
 
@@ -80,7 +80,8 @@ class Metric:
 @dataclass
 class RunInfo:
     model: str = doc_field("", "the evaluated model: checkpoint directory, HF directory or .gguf")
-    kind: str = doc_field("original", "'original' (unquantized), 'quantized', or 'recovered' (quantized + LoRA adapter)")
+    kind: str = doc_field("original", "'original' (unquantized), 'quantized', 'tuned' (a checkpoint of `qrecover tune`), or "
+                                          "'recovered' (quantized + LoRA adapter)")
     measured_bpw: MeasuredBpw | None = doc_field(None, "measured bits per weight of the checkpoint; null for the original")
     adapter: Adapter | None = doc_field(None, "the accuracy-recovery adapter; required for 'recovered', null otherwise")
     manifest_sha256: str | None = doc_field(None, "sha256 of the checkpoint's qrecover.json, or null")

@@ -52,7 +52,7 @@ RATIO_NOTE = ("Each cell is a percentage of the unquantized model's score: value
               "whose unquantized value is 0; so below 100% always means worse. ± is one standard error of the raw score; the ratio's own "
               "standard error (first-order propagation) is in report.json as ratio_stderr.")
 
-_KIND_ORDER = {"original": 0, "quantized": 1, "recovered": 2}
+KIND_ORDER = {"original": 0, "quantized": 1, "tuned": 2, "recovered": 3}
 
 # the score of guessing, per metric; a metric not listed has no known chance level and is never uninformative
 CHANCE = {
@@ -167,7 +167,7 @@ def check_comparable(name: str, m: Metric, base: Metric, run: str, baseline: str
 
 
 def row_label(run: Results) -> str:
-    """Table-10 style label: ``3.7 bpw quantized``, ``3.7 bpw recovered (rank 16)``, ``unquantized``."""
+    """Table-10 style label: ``3.7 bpw quantized``, ``3.7 bpw tuned``, ``3.7 bpw recovered (rank 16)``, ``unquantized``."""
     r = run.run
     if r.measured_bpw is None:
         head = "unquantized" if r.kind == "original" else r.kind
@@ -211,8 +211,8 @@ def _row(run: Results, baseline: Results, noise: dict[str, str]) -> Row:
 
 
 def sort_key(row: Row) -> tuple:
-    """bpw descending (an unmeasured original first), then original, quantized, recovered, then rank."""
-    return (-(row.bpw if row.bpw is not None else math.inf), _KIND_ORDER[row.kind], row.adapter_rank or 0, row.model)
+    """bpw descending (an unmeasured original first), then original, quantized, tuned, recovered, then rank."""
+    return (-(row.bpw if row.bpw is not None else math.inf), KIND_ORDER[row.kind], row.adapter_rank or 0, row.model)
 
 
 def normalise(runs: Results | Sequence[Results], baseline: Results) -> list[Row]:
