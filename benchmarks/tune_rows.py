@@ -36,7 +36,8 @@ def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
     """``(tuned checkpoint, record)``: ``ckpt`` tuned with ``cfg`` (reused when already there); the record holds the
     tuning's tokens, training and CPU seconds and what fp16 rounding cost."""
     d = out / (f"tuned-{ckpt.name}-{cfg.params.replace(',', '+')}-{cfg.tokens}tok"
-               + (f"-blocks{cfg.block_tokens}" if cfg.block_tokens else ""))
+               + (f"-blocks{cfg.block_tokens}" if cfg.block_tokens else "")
+               + (f"-mix{Path(cfg.mix).stem}" if cfg.mix else ""))  # rows on other mixes never share a directory
     source = read_manifest(ckpt)["weights_file"]["sha256"]
     done = (d / "qrecover.json").is_file() and (d / "bench_cpu.json").is_file() and read_manifest(d).get("tuning", {})
     if done and done["config"] == cfg.to_dict() and done["source"]["weights_sha256"] == source and callback is None:
