@@ -589,7 +589,7 @@ def test_free_text_starts_at_an_ordinary_token_and_ends_at_the_first_eos(smol_to
         else:  # no eos within max_new_tokens: kept whole, marked unfinished
             assert not r["finished"] and r["text"] == smol_tok.decode([r["first_token"]] + whole)
     assert len({r["first_token"] for r in rows}) > 1
-    assert not model.calls[0].do_sample or model.calls[0].temperature == 1.0
+    assert model.calls[0].do_sample and model.calls[0].temperature == 1.0 and model.calls[0].max_new_tokens == len(whole)
     meta = json.loads(path.with_suffix(".json").read_text())
     assert meta["rows"] == 5 and meta["finished"] == 3 and meta["settings"]["kind"] == "free"
 

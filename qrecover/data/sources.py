@@ -28,7 +28,6 @@ from .documents import JsonlDocs, Limited, ParquetDocs, StreamDocs, list_files, 
 from .selfgen import generate_chat_data, generate_free_text
 from .source import OpenContext, Source, register_source
 
-GENERATED_KINDS = ("selfgen", "selftext")  # written by the unquantized model (the loader's `model` unless they name one)
 _MAX_DOCUMENTS = "use only the first N documents (in the source's fixed order)"
 _FIELD = "the field holding a document's text"
 _MESSAGES_FIELD = "the field holding a chat (list of {role, content}); it wins over `field` when present"
@@ -139,7 +138,7 @@ class BuiltinSource(Source):
         return _limited(text_docs("python-docs", self.split or "train"), self.max_documents)
 
 
-class _GeneratedSource(Source):
+class GeneratedSource(Source):
     """A source the unquantized model writes, cached as JSONL; its kinds declare ``model`` (None = the loader's model)."""
 
     def check(self, base_dir: str | None) -> None:
@@ -159,7 +158,7 @@ class _GeneratedSource(Source):
 
 @register_source
 @dataclass
-class SelfgenSource(_GeneratedSource):
+class SelfgenSource(GeneratedSource):
     kind: str = doc_field("selfgen", "chats the unquantized instruct model writes (qrecover.data.selfgen), cached as JSONL")
     samples: int = doc_field(256, "conversations to generate")
     max_new_tokens: int = doc_field(192, "answer length cap (answers cut there are marked truncated)")
@@ -196,7 +195,7 @@ class SelfgenSource(_GeneratedSource):
 
 @register_source
 @dataclass
-class SelftextSource(_GeneratedSource):
+class SelftextSource(GeneratedSource):
     kind: str = doc_field("selftext", "text the unquantized model writes with no prompt, each document from one random first "
                                       "token (LLM-QAT's data-free data; qrecover.data.selfgen), cached as JSONL")
     samples: int = doc_field(256, "documents to generate")
@@ -223,4 +222,4 @@ class SelftextSource(_GeneratedSource):
 
 
 __all__ = ["TextSource", "JsonlSource", "ParquetSource", "HFSource", "BuiltinSource", "SelfgenSource", "SelftextSource",
-           "GENERATED_KINDS"]
+           "GeneratedSource"]

@@ -107,6 +107,8 @@ def _keyed_options(recipe: Recipe, section: str, options: dict[str, Any]) -> tup
     """``(options as keyed, options to run with)``: path options resolved; keyed by content, not by name."""
 
     keyed, run = dict(options), dict(options)
+    if (section, "mix") in _PATH_OPTIONS and "mix" not in options:  # the shipped default mix, keyed by content too
+        keyed["mix"] = {"sha256": sha256_file(shipped_path(DEFAULT_MIX))}
     for (sec, name), what in _PATH_OPTIONS.items():
         if sec != section or name not in options or (what == "data" and options[name] == "python-docs"):
             continue
@@ -152,8 +154,6 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     ev_config = {"tasks": list(recipe.eval.tasks), "limit": recipe.eval.limit, **ev_keyed}
     c_keyed, c_run = _keyed_options(recipe, "compress", recipe.compress.options)
     r_keyed, r_run = _keyed_options(recipe, "recover", recipe.recover.options)
-    if recipe.recover.ranks and "mix" not in recipe.recover.options:  # the shipped default mix, keyed by content too
-        r_keyed["mix"] = {"sha256": sha256_file(shipped_path(DEFAULT_MIX))}
 
     original = add("eval-original", "eval", {**ev_config, "model_sha256": weights}, [], model=spec, adapter=None, options=ev_run)
     compressed: dict[float, Stage] = {}
@@ -165,8 +165,6 @@ def make_plan(recipe: Recipe, force: Sequence[str] = ()) -> Plan:
     tuned: dict[float, Stage] = {}
     if recipe.tune is not None:
         t_keyed, t_run = _keyed_options(recipe, "tune", recipe.tune.options)
-        if "mix" not in recipe.tune.options:
-            t_keyed["mix"] = {"sha256": sha256_file(shipped_path(DEFAULT_MIX))}
         t_cfg = {**recipe.tune.config(t_run).to_dict(), **t_keyed}
         for b in recipe.compress.bpw:
             tuned[b] = add(f"tune-{_bpw_name(b)}", "tune", t_cfg, [compressed[b]], options=t_run)

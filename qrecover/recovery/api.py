@@ -39,7 +39,7 @@ from ..checkpoint import read_manifest, source_model_spec
 from ..data.mix import MixLoader, calibration_windows
 from ..data.mix_recipe import Mix, load_mix, single_source_mix
 from ..data.shards import ShardLoader, check_tokenizer, is_prepared, read_data_manifest
-from ..data.sources import GENERATED_KINDS
+from ..data.sources import GeneratedSource
 from ..errors import QRecoverError
 from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
@@ -146,7 +146,7 @@ def check_training_inputs(cfg: RecoverConfig, checkpoint: Path, manifest: dict[s
                                 "or train with --no-decontaminate")
     if needs_teacher:
         _check_teacher_source(manifest, why)
-    elif may_load_teacher and isinstance(mix, Mix) and any(s.kind in GENERATED_KINDS and not s.model for s in mix.sources):
+    elif may_load_teacher and isinstance(mix, Mix) and any(isinstance(s, GeneratedSource) and not s.model for s in mix.sources):
         _check_teacher_source(manifest, "the mix's self-generated sources (selfgen or selftext without a model)")
     return mix
 

@@ -176,6 +176,7 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
     if not names:
         return None
     series = _series(rows)
+    n_plain = sum(k != "recovered" for k, _ in series)  # the quantized and tuned lines come first
     noisy = {n: why for r in rows for n, why in r.uninformative.items()}
     bpws = sorted({r.bpw for r in rows if r.bpw is not None and r.kind != "original"})
     span = (bpws[-1] - bpws[0]) or 0.5
@@ -197,7 +198,6 @@ def plot_svg(rows: Sequence[Row]) -> str | None:
                 if not pts:
                     continue
                 offset = (i - (len(series) - 1) / 2) * dodge
-                n_plain = sum(k != "recovered" for k, _ in series)  # the quantized and tuned lines come first
                 style = ({"quantized": QUANTIZED_STYLE, "tuned": TUNED_STYLE}.get(kind) or
                          {"color": RECOVERED_COLORS[(i - n_plain) % len(RECOVERED_COLORS)], "linestyle": "-", "marker": "^"})
                 label = kind if kind != "recovered" else f"recovered (rank {rank})"
