@@ -101,20 +101,23 @@ def made_with(manifest: dict, cfg: CompressConfig) -> bool:
             and manifest["budget"]["encodings"] == menu(cfg))
 
 
-def checkpoints(out: Path, budgets: list[float], encodings: str | None = None) -> dict[float, Path]:
+def checkpoints(out: Path, budgets: list[float], encodings: str | None = None, calib_data: str | None = None
+                ) -> dict[float, Path]:
     """One calibration per process, one checkpoint per budget (``encodings``: the menu, default the compress
-    default); reused when a checkpoint with the same config exists."""
+    default; ``calib_data``: the calibration text, default the compress default); reused when a checkpoint with the
+    same config exists."""
+    calib = {} if calib_data is None else {"calib_data": calib_data}
     paths, todo = {}, []
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
-        cfg = CompressConfig(bpw=bpw, encodings=encodings)
+        cfg = CompressConfig(bpw=bpw, encodings=encodings, **calib)
         if (d / "qrecover.json").exists() and made_with(read_manifest(d), cfg):
             paths[bpw] = d
         else:
             todo.append((bpw, d, cfg))
     if todo:
         if not _PREPARED:
-            _PREPARED.append(api.prepare(CompressConfig(bpw=todo[0][0], encodings=encodings)))
+            _PREPARED.append(api.prepare(CompressConfig(bpw=todo[0][0], encodings=encodings, **calib)))
         for bpw, d, cfg in todo:
             api.compress(cfg, out=d, overwrite=True, prepared=_PREPARED[0])
             paths[bpw] = d
@@ -128,7 +131,7 @@ def checkpoints(out: Path, budgets: list[float], encodings: str | None = None) -
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = ("BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:blocks=N][:params=A+B]"
+RUN_GRAMMAR = ("BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:blocks=N][:params=A+B][:codes_lr=X]"
               "[@TOKENS]")
 MIXES = ROOT / "benchmarks" / "mixes"  # ':mix=NAME' trains on benchmarks/mixes/NAME.toml (or a .toml path)
 
@@ -152,7 +155,8 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
         body, _, n = item.partition("@")
         parts = body.split(":")
         run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
-               "rank_allocation": "uniform", "mix": None, "tune": None, "params": None, "blocks": 0}
+               "rank_allocation": "uniform", "mix": None, "tune": None, "params": None, "blocks": 0,
+               "codes_lr": None}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -176,6 +180,11 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
                 run["params"], rest = rest[0][7:].replace("+", ","), rest[1:]
             elif rest[0].startswith("head=") and rest[0][5:].isdigit():
                 run["head_rank"], rest = int(rest[0][5:]), rest[1:]
+            elif rest[0].startswith("codes_lr="):  # the codes' lr when params has codes (tune_rows.py)
+                try:
+                    run["codes_lr"], rest = float(rest[0][9:]), rest[1:]
+                except ValueError:
+                    ok = False
             elif rest[0].startswith("lr="):
                 try:
                     run["lr"], rest = float(rest[0][3:]), rest[1:]
@@ -203,7 +212,8 @@ def run_name(r: dict) -> str:
             + ("" if r.get("rank_allocation", "uniform") == "uniform" else "-damage")
             + ("" if not r.get("mix") else f"-mix{Path(r['mix']).stem}")
             + ("" if r.get("tune") is None else f"-tune{r['tune']}" + ("" if not r.get("blocks") else f"-blocks{r['blocks']}")
-               + ("" if not r.get("params") else "-" + r["params"].replace(",", "+")))
+               + ("" if not r.get("params") else "-" + r["params"].replace(",", "+"))
+               + ("" if r.get("codes_lr") is None else f"-clr{r['codes_lr']:g}"))
             + f"-{r['tokens']}tok")
 
 
@@ -241,6 +251,9 @@ def main() -> None:
     ap.add_argument("--references", default="",
                     help="comma-separated --bpw budgets of adapter-free checkpoints to score first (before the rows), e.g. "
                          "4.081,3.79; the rows' own total sizes are added at the end unless --no-references")
+    ap.add_argument("--calib-data", default=None,
+                    help="the checkpoints' calibration text (compress --calib-data: python-docs, calib-mix or a path); "
+                         "default compress's")
     ap.add_argument("--base-encodings", default=None,
                     help="the base checkpoints' candidate menu (compress --encodings; default: the compress default). "
                          f"The former default (before GPTQ's range search, the rows of 2026-11-26/27): {FORMER_MENU}")
@@ -265,7 +278,7 @@ def main() -> None:
 
     original = ppl(teacher)
     print("original", original, flush=True)
-    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}), args.base_encodings)
+    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}), args.base_encodings, args.calib_data)
     quantized, bpw = {}, {}
     for b, d in ckpts.items():
         m = api.load(d, cache=True)
@@ -281,7 +294,8 @@ def main() -> None:
 
     def score_references(budgets: list[float]) -> None:
         """The adapter-free checkpoint of each total size, scored (and compared with the smallest base budget)."""
-        for b, d in checkpoints(out, [x for x in budgets if str(x) not in references], args.base_encodings).items():
+        for b, d in checkpoints(out, [x for x in budgets if str(x) not in references], args.base_encodings,
+                                   args.calib_data).items():
             m = api.load(d, cache=True)
             p = ppl(m)
             references[str(b)] = {"bpw": b, "measured_bpw": m.qrecover_manifest["measured_bpw"]["model"], "ppl": p,

@@ -5,6 +5,7 @@
 ``3.5:kd:16:tune=32768@65536``   tuned on 32k tokens, then a rank-16 adapter on 65k tokens on the tuned checkpoint
 ``:params=tables+scales``        what trains (TuneConfig.params, '+' for ','); default: TuneConfig's
 ``3.5:kd:0:tune:lr=1e-4@16384``  with rank 0, ':lr=' is the tuning's learning rate (else the adapter's)
+``:params=tables+scales+norms+embedding+codes:codes_lr=2e-2``  the codes too, at that lr (TuneConfig.codes_lr)
 ``3.5:kd:0:tune=0:blocks=32768@32768``  block-wise reconstruction on 32k tokens alone (TuneConfig.block_tokens), no
                                  end-to-end pass; ``tune=32768:blocks=32768`` both
 
@@ -28,6 +29,7 @@ def tune_config(run: dict, seq_len: int, mix: str | None) -> TuneConfig:
     """The row's tuning config: ``run["tune"]`` tokens, ``run["params"]`` (None: the default), the row's data mix."""
     return TuneConfig(tokens=run["tune"], seq_len=seq_len, checkpoint_every=0, mix=mix, block_tokens=run.get("blocks", 0),
                       **({} if run.get("params") is None else {"params": run["params"]}),
+                      **({} if run.get("codes_lr") is None else {"codes_lr": run["codes_lr"]}),
                       **({"lr": run["lr"]} if run["rank"] == 0 and run.get("lr") is not None else {}))
 
 
@@ -37,6 +39,7 @@ def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
     tuning's tokens, training and CPU seconds and what fp16 rounding cost."""
     d = out / (f"tuned-{ckpt.name}-{cfg.params.replace(',', '+')}-{cfg.tokens}tok"
                + (f"-blocks{cfg.block_tokens}" if cfg.block_tokens else "")
+               + (f"-clr{cfg.codes_lr:g}" if "codes" in cfg.kinds else "")
                + (f"-mix{Path(cfg.mix).stem}" if cfg.mix else ""))  # rows on other mixes never share a directory
     source = read_manifest(ckpt)["weights_file"]["sha256"]
     done = (d / "qrecover.json").is_file() and (d / "bench_cpu.json").is_file() and read_manifest(d).get("tuning", {})

@@ -12,7 +12,8 @@ for FSDP, which shards parameters only (``RecoverConfig.shard_base``).
 Tuning (``qrecover tune``, :mod:`qrecover.recovery.tune`): :meth:`_Packed.set_masters` gives chosen continuous tensors
 (``lut``, ``scale``) an fp32 master Parameter ``<name>_master``, in units of its row's magnitude; the dense weight is
 then a differentiable function of the masters through the frozen codes (the scheme's own ``dequantize``), recomputed
-every forward, and :meth:`_Packed.commit_masters` rounds them back into the stored dtype.
+every forward, and :meth:`_Packed.commit_masters` rounds them back into the stored dtype. The codes (``qdata``) may
+train too, through a master weight whose nearest codes are re-assigned every forward (straight-through gradient).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, packing
 from .errors import QRecoverError
 from .schemes import QuantizedWeight, get_quantizer
 
@@ -77,36 +78,60 @@ class _Packed(nn.Module):
     def nbytes(self) -> int:
         return self.packed.nbytes
 
-    def set_masters(self, names: tuple[str, ...]) -> None:
+    def set_masters(self, names: tuple[str, ...], code_step: float = 1.0) -> None:
         """Train the stored tensors ``names`` (e.g. ``("lut",)``): each ``t`` gets an fp32 master Parameter
         ``<name>_master = t / unit`` of its shape, ``unit (rows, 1)`` (buffer ``<name>_unit``) the power of two nearest
         each row's RMS, so ``master * unit`` is ``t`` exactly. In those units an optimizer step of a given size is the
         same relative change for a 2-bit table entry of 0.05 and an 8-bit embedding scale of 0.001 (Adam moves every
         value by about lr, whatever its magnitude). The dense cache is dropped, and :meth:`dequantize` computes the
-        weight from ``master * unit`` with gradients (codes and the other tensors stay frozen)."""
+        weight from ``master * unit`` with gradients (codes and the other tensors stay frozen).
+
+        ``"qdata"`` (the codes, PV-tuning's discrete step) gets a master *weight* ``(out, in)`` instead, starting at
+        the dequantized weight: each forward re-assigns every code to the entry nearest the master (the scheme's
+        ``encode``) and passes the gradient straight through to the master. Its unit is its row's RMS times
+        ``code_step`` (a larger step per update than the tables', so that a code can cross to its neighbour)."""
         for n in names:
             t = getattr(self, n)
-            if n not in self._tensor_names or not t.is_floating_point():
+            if n == "qdata":
+                t = self.dequantize(torch.float32).detach()
+            elif n not in self._tensor_names or not t.is_floating_point():
                 raise QRecoverError(f"{n!r} is not a continuous tensor of this {self.scheme} layer ({self._tensor_names})")
             rows = t.detach().float().reshape(t.shape[0] if t.dim() > 0 else 1, -1)
             rms = rows.pow(2).mean(-1, keepdim=True).sqrt()
             unit = torch.where(rms > 0, torch.exp2(torch.round(torch.log2(rms.clamp_min(1e-30)))), torch.ones_like(rms))
+            unit = unit * code_step if n == "qdata" else unit
             self.register_buffer(f"{n}_unit", unit, persistent=False)
             self.register_parameter(f"{n}_master", nn.Parameter((rows / unit).reshape(t.shape)))
-        self._masters, self._dense, self._dispatch_dense = tuple(names), None, None
+        # the codes last: they are re-assigned under the tables/scales (commit_masters rounds those first)
+        self._masters = tuple(sorted(names, key=lambda n: n == "qdata"))
+        self._dense, self._dispatch_dense = None, None
 
     def _master_value(self, n: str) -> torch.Tensor:
-        """The trained value of stored tensor ``n``: ``master * unit`` (fp32, its stored shape)."""
+        """The trained value of stored tensor ``n``: ``master * unit`` (fp32, its stored shape; for ``"qdata"`` the
+        master weight ``(out, in)``)."""
         master = getattr(self, f"{n}_master")
         unit = getattr(self, f"{n}_unit")
         return (master.reshape(unit.shape[0], -1) * unit).reshape(master.shape)
 
+    def _trained(self) -> QuantizedWeight:
+        """The packed weight with every continuous master's value in place of its stored tensor (codes as stored)."""
+        tensors = {n: self._master_value(n) if n in self._masters and n != "qdata" else getattr(self, n)
+                   for n in self._tensor_names}
+        return QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors)
+
     def commit_masters(self) -> dict[str, torch.Tensor]:
         """Round every master to its stored tensor's dtype, store it, drop the masters; returns the new stored
-        tensors by name. Afterwards the layer is a plain packed layer again."""
+        tensors by name (the codes re-assigned to the master weight under the rounded tables/scales, packed).
+        Afterwards the layer is a plain packed layer again."""
         stored = {}
         for n in self._masters:
             value = self._master_value(n).detach()
+            if n == "qdata":  # a code whose value is unchanged keeps its index (a table may hold an entry twice)
+                packed, q = self.packed, self._quantizer
+                stored_codes = packing.unpack(packed.tensors["qdata"], self.bits, packed.numel).long().view(self.shape)
+                codes = q.encode(packed, value)
+                codes = torch.where(q.decode(packed, codes) == q.decode(packed, stored_codes), stored_codes, codes)
+                value = packing.pack(codes, self.bits)
             del self._parameters[f"{n}_master"], self._buffers[f"{n}_unit"]
             old = getattr(self, n)
             stored[n] = value.to(device=old.device, dtype=old.dtype).contiguous()
@@ -122,8 +147,11 @@ class _Packed(nn.Module):
         gradients, while :meth:`set_masters` is in effect."""
         dtype = dtype or self.compute_dtype
         if self._masters:
-            tensors = {n: self._master_value(n) if n in self._masters else getattr(self, n) for n in self._tensor_names}
-            return self._quantizer.dequantize(QuantizedWeight(self.scheme, self.bits, self.shape, self.params, tensors), dtype)
+            qw = self._trained()
+            if "qdata" not in self._masters:
+                return self._quantizer.dequantize(qw, dtype)
+            w = self._master_value("qdata")  # straight through: forward the decoded nearest codes, backward to w
+            return self._quantizer.decode(qw, self._quantizer.encode(qw, w), dtype) + (w - w.detach()).to(dtype)
         if self._dense is not None and self._dense.dtype == dtype:
             return self._dense
         with torch.no_grad():

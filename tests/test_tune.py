@@ -262,7 +262,8 @@ def test_bad_input_exits_2_with_one_line_before_any_model_loads(tiny_ckpt, text_
     cases = [
         ([tiny_ckpt, "--params", "scales"], "selects nothing to tune"),  # palettized linears have tables, not scales
         ([adapter], "is an adapter directory, not a checkpoint"),
-        ([tiny_ckpt, "--params", "tables,codes"], "--params 'tables,codes'"),
+        ([tiny_ckpt, "--params", "tables,weights"], "--params 'tables,weights'"),
+        ([tiny_ckpt, "--params", "codes", "--codes-lr", "-1"], "--codes-lr -1.0 must be >= 0"),
         ([tiny_ckpt, "--lr", "-1"], "--lr -1.0 must be positive"),
         ([tiny_ckpt, "--mix", tmp_path / "none.toml"], "does not exist"),
     ]
@@ -300,8 +301,90 @@ def test_config_refuses_bad_block_wise_settings():
 def test_config_refuses_what_tuning_cannot_do():
     with pytest.raises(QRecoverError, match="does not shard the base"):
         TuneConfig(shard_base=True)
-    with pytest.raises(QRecoverError, match="--params 'codes'"):
-        TuneConfig(params="codes")
+    with pytest.raises(QRecoverError, match="--params 'code'"):
+        TuneConfig(params="code")
     assert TuneConfig(lr=0.0).lr == 0.0  # the identity run; recovery itself refuses lr 0
     with pytest.raises(QRecoverError, match="--lr 0.0 must be positive"):
         RecoverConfig(lr=0.0)
+
+
+# --- the codes (--params codes): re-assigned to the nearest entry of a master weight, straight-through gradient ------
+
+CODE_SCHEMES = [("palettize", {}), ("palettize", {"block_size": 32}), ("blockwise", {"block_size": 32}),
+                ("blockwise", {"block_size": 32, "symmetric": False}), ("gptq", {"group_size": 32})]
+
+
+@pytest.mark.parametrize("scheme,params", CODE_SCHEMES)
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_encode_is_the_nearest_code_and_decode_inverts_it(scheme, params, bits):
+    from qrecover.packing import unpack
+
+    torch.manual_seed(bits)
+    w = torch.randn(32, 64)
+    q = get_quantizer(scheme, **params)
+    qw = q.quantize(w, bits, {"hessian": torch.eye(64) + 0.1, "input_sq": torch.ones(64)})
+    dense = q.dequantize(qw)
+    stored = unpack(qw.tensors["qdata"], bits, w.numel()).long().view(32, 64)
+    assert torch.equal(q.decode(qw, stored), dense)
+    assert torch.equal(q.decode(qw, q.encode(qw, dense)), dense)  # a dequantized weight re-encodes to itself
+    # any weight: its code's value is at least as near as every other code's (float64 brute force over all codes)
+    x = torch.randn(32, 64) * 1.5
+    got = (x.double() - q.decode(qw, q.encode(qw, x)).double()).abs()
+    every = torch.stack([q.decode(qw, torch.full_like(stored, k)).double() for k in range(2**bits)])
+    best = (x.double() - every).abs().min(0).values
+    assert torch.all(got <= best + 1e-6)
+
+
+def test_codes_master_forward_is_the_quantized_layer_and_its_gradient_goes_straight_through():
+    torch.manual_seed(0)
+    qw = get_quantizer("palettize").quantize(torch.randn(32, 64), 3, {"input_sq": torch.ones(64)})
+    layer, plain = QuantLinear(qw), QuantLinear(qw)
+    layer.set_masters(("lut", "qdata"), code_step=4.0)
+    plain.set_masters(("lut",))
+    x = torch.randn(5, 64, dtype=torch.float64)
+    layer.double(), plain.double()
+    y = layer(x)
+    assert torch.equal(y, plain(x))  # step 0: the codes as stored
+    y.square().sum().backward()
+    plain(x).square().sum().backward()
+    w = qw.dequantize(torch.float64).requires_grad_(True)
+    (x @ w.T).square().sum().backward()  # dL/dW of the dense layer, float64
+    assert torch.allclose(layer.qdata_master.grad, w.grad * layer.qdata_unit, rtol=1e-10, atol=1e-12)
+    assert float(layer.qdata_unit.mean() / plain.lut_unit.mean()) > 3  # code_step scales the codes' unit
+    assert torch.allclose(layer.lut_master.grad, plain.lut_master.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_master_past_the_midpoint_takes_its_neighbours_code_and_commit_packs_it():
+    torch.manual_seed(0)
+    q = get_quantizer("blockwise", block_size=32)
+    qw = q.quantize(torch.randn(4, 32), 3, {})
+    layer = QuantLinear(qw)
+    layer.set_masters(("qdata",))
+    scale = float(qw.tensors["scale"][0, 0])
+    w0 = float(layer.dequantize().detach()[0, 0])
+    with torch.no_grad():  # move element (0, 0) by 0.6 of a grid step towards zero: past the midpoint, inside the grid
+        layer.qdata_master[0, 0] += (-0.6 if w0 > 0 else 0.6) * scale / float(layer.qdata_unit[0])
+    moved = layer.dequantize().detach()
+    assert moved[0, 0] == w0 + (-scale if w0 > 0 else scale) and torch.equal(moved[1:], qw.dequantize()[1:])
+    stored = layer.commit_masters()
+    assert set(stored) == {"qdata"} and stored["qdata"].dtype == torch.uint8
+    assert stored["qdata"].shape == qw.tensors["qdata"].shape and torch.equal(layer.dequantize(), moved)
+
+
+def test_tuning_the_codes_changes_codes_only_in_linear_layers_and_keeps_the_bytes(tiny_ckpt, text_mix, tmp_path):
+    manifest = _tuned(tiny_ckpt, tmp_path / "c", text_mix, params="tables,codes", codes_lr=0.3)
+    src = read_manifest(tiny_ckpt)
+    assert manifest["bytes"] == src["bytes"] and manifest["measured_bpw"] == src["measured_bpw"]
+    assert manifest["tuning"]["params"] == ["tables", "codes"]
+    a, b = load_file(str(tiny_ckpt / "model.safetensors")), load_file(str(tmp_path / "c" / "model.safetensors"))
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert any(k.endswith(".qdata") for k in changed) and any(k.endswith(".lut") for k in changed)
+    assert "model.embed_tokens.qdata" not in changed and all(k.endswith((".qdata", ".lut")) for k in changed)
+    model = load(tmp_path / "c")
+    ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_lr_zero_with_the_codes_is_the_identity(tiny_ckpt, text_mix, tmp_path):
+    _tuned(tiny_ckpt, tmp_path / "zero", text_mix, lr=0.0, params="tables,scales,norms,embedding,codes")
+    assert (tmp_path / "zero" / "model.safetensors").read_bytes() == (tiny_ckpt / "model.safetensors").read_bytes()

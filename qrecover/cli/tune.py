@@ -23,11 +23,14 @@ EXAMPLES = """Examples:
 
   qrecover tune CKPT --out out/tuned --block-tokens 32768                         # block-wise reconstruction first
 
+  qrecover tune CKPT --out out/tuned --params tables,scales,norms,embedding,codes  # the codes too (straight through)
+
   accelerate launch -m qrecover.cli tune CKPT --out out/tuned --tokens 10000000   # data parallel on several GPUs
 
   qrecover recover out/tuned --out out/tuned-lora                                 # adapters on the tuned checkpoint
 
-The tuned checkpoint has the source's exact byte count (codes frozen, tables/scales/norms rounded to fp16 on save);
+The tuned checkpoint has the source's exact byte count (codes frozen unless --params has codes, tables/scales/norms
+rounded to fp16 on save);
 `qrecover info OUT` shows what was tuned, on which data, and what the fp16 rounding cost.
 """
 
@@ -35,7 +38,7 @@ The tuned checkpoint has the source's exact byte count (codes frozen, tables/sca
 # the training options are TuneConfig fields (qrecover.cli.config_options): their defaults and help texts
 @config_command(TuneConfig, only=("params", "tokens", "objective", "lr", "schedule", "seq_len", "batch_size", "grad_accum",
                                   "checkpoint_every", "gradient_checkpointing", "precision", "decontaminate", "loss_chunk",
-                                  "teacher_device", "rounding_windows", "block_tokens", "block_epochs",
+                                  "teacher_device", "codes_lr", "rounding_windows", "block_tokens", "block_epochs",
                                   "block_lr", "seed"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),

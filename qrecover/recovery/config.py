@@ -164,7 +164,7 @@ class RecoverConfig(DictConfig):
 
 
 #: what `qrecover tune` can train (TuneConfig.params)
-PARAM_KINDS = ("tables", "scales", "norms", "embedding")
+PARAM_KINDS = ("tables", "scales", "norms", "embedding", "codes")
 
 
 @dataclass
@@ -178,11 +178,14 @@ class TuneConfig(RecoverConfig):
     # the continuous parameters to train: 'tables' (palettization look-up tables), 'scales' (blockwise/GPTQ scales),
     # 'norms' (normalization weights), 'embedding' (the packed embedding's tables or scales, read by the tied head too)
     params: str = doc_field("tables,scales,norms,embedding", "what trains: a comma-separated subset of tables, scales, norms, "
-                            "embedding")
+                            "embedding, codes")
     # in units of each row's RMS (so lr 2e-3 moves a table entry or a scale by about 0.2% of its row's size per step),
     # and of the norms; 0 leaves every tensor as it was. 2e-3 closed 2.4x more held-out gap than 5e-4 on SmolLM2
     # (docs/tune.md)
     lr: float = doc_field(2e-3, "peak learning rate of the fp32 masters (AdamW); 0 changes nothing")
+    # the codes' master weights (--params codes): their peak lr in row units; a 3-bit code crosses to its neighbour after
+    # moving ~0.25 of its row's RMS, so it needs a larger step than the tables' lr (docs/tune.md, "The codes")
+    codes_lr: float = doc_field(1e-2, "peak learning rate of the codes' master weights (--params codes; row units, as --lr)")
     # windows of seq_len tokens of the python-docs 'eval' split, scored with the fp32 masters and after rounding them
     # to fp16 (what rounding costs)
     rounding_windows: int = doc_field(4, "held-out windows scored before and after rounding the masters to fp16 (0: not measured)")
@@ -193,6 +196,13 @@ class TuneConfig(RecoverConfig):
     block_epochs: int = doc_field(2, "passes over the block-wise windows")
     block_lr: float = doc_field(1e-3, "peak learning rate of the block-wise pass (row units, as --lr)")
 
+    @property
+    def code_step(self) -> float:
+        """How much farther per optimizer step the codes' masters move than the tables': their lr is the schedule's
+        (``lr``) and their unit is scaled by ``codes_lr / lr`` (one AdamW parameter group, as Adam's step scales with
+        the unit). lr 0 changes nothing either way."""
+        return self.codes_lr / self.lr if self.lr > 0 else 1.0
+
     def validate(self) -> None:
         super().validate()
         unknown = [k for k in self.kinds if k not in PARAM_KINDS]
@@ -202,6 +212,8 @@ class TuneConfig(RecoverConfig):
         if self.shard_base:
             raise QRecoverError("tune does not shard the base (--shard-base): its tables and scales train, and FSDP would "
                                 "shard them; tune data parallel (one whole copy per process) instead")
+        if not self.codes_lr >= 0:
+            raise QRecoverError(f"--codes-lr {self.codes_lr!r} must be >= 0, e.g. --codes-lr 1e-2")
         if self.rounding_windows < 0:
             raise QRecoverError(f"--rounding-windows {self.rounding_windows} must be >= 0")
         if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or self.block_tokens < 0 or (

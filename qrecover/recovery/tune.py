@@ -5,7 +5,11 @@ What trains (``TuneConfig.params``, any of):
 - ``tables``: the palettized layers' look-up tables ``lut (O/G * I/C, 2**bits)``;
 - ``scales``: the blockwise/GPTQ layers' scales ``scale (O, I/B)`` (zero points are integer codes: frozen);
 - ``embedding``: the packed embedding's tables or scales (the tied output head reads the same tensors);
-- ``norms``: the RMSNorm/LayerNorm weights of the 16-bit remainder.
+- ``norms``: the RMSNorm/LayerNorm weights of the 16-bit remainder;
+- ``codes``: the linear layers' integer codes (PV-tuning's discrete step, as straight-through QAT): an fp32 master
+  weight per layer, starting at the dequantized weight; every forward re-assigns each code to the table entry (or
+  grid point) nearest the master, and the gradient passes straight through to the master. At ``--codes-lr`` (row
+  units, larger than the tables' ``--lr``) a master crosses to its neighbour's entry after a run of consistent steps.
 
 Each packed tensor that trains gets an fp32 master Parameter (:meth:`qrecover.qlinear._Packed.set_masters`): the
 layer's dense weight is then the scheme's own ``dequantize`` of the frozen codes and the masters, differentiable in
@@ -77,8 +81,12 @@ def plan(manifest: dict[str, Any], kinds: tuple[str, ...]) -> tuple[dict[str, tu
         tensor, kind = CONTINUOUS.get(info["scheme"], (None, None))
         if tensor is None or tensor not in info["tensors"]:
             continue
-        if kind in kinds if info["kind"] == "linear" else "embedding" in kinds:
-            layers[name] = (tensor,)
+        linear = info["kind"] == "linear"
+        tensors = (tensor,) if (kind in kinds if linear else "embedding" in kinds) else ()
+        if linear and "codes" in kinds:
+            tensors += ("qdata",)
+        if tensors:
+            layers[name] = tensors
     norms = [n for n, v in manifest.get("remainder", {}).items()
              if "norms" in kinds and n.endswith(".weight") and "norm" in n.rsplit(".", 2)[-2] and len(v["shape"]) == 1]
     return layers, norms
@@ -101,15 +109,15 @@ def check_tunable(checkpoint: str | Path, cfg: TuneConfig) -> tuple[Path, dict[s
     return path, manifest, layers, norms
 
 
-def make_tunable(model: nn.Module, layers: dict[str, tuple[str, ...]], norms: list[str]) -> int:
+def make_tunable(model: nn.Module, layers: dict[str, tuple[str, ...]], norms: list[str], code_step: float = 1.0) -> int:
     """Freeze ``model``, then make the planned tensors trainable (fp32 masters, norm weights); returns how many
-    values train."""
+    values train. ``code_step``: the codes' master weights move ``code_step`` times as far per step as the tables'."""
     model.requires_grad_(False)
     for name, tensors in layers.items():
         module = model.get_submodule(name)
         if not isinstance(module, _Packed):
             raise QRecoverError(f"{name} is a {type(module).__name__}, not a packed layer; the checkpoint does not match its model")
-        module.set_masters(tensors)
+        module.set_masters(tensors, code_step)
     for n in norms:
         model.get_parameter(n).requires_grad_(True)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -245,7 +253,7 @@ def tune(checkpoint: str | Path, out: str | Path, cfg: TuneConfig | None = None,
             teacher = load_teacher(manifest)
         elif teacher is not None:
             teacher = in_checkpoint_basis(teacher, manifest)
-        trainable = make_tunable(model, layers, norms)
+        trainable = make_tunable(model, layers, norms, cfg.code_step)
         blocks, loader = block_phase(model, teacher, tokenizer, cfg, mix, manifest, out, resume, show_progress) \
             if cfg.block_tokens else (None, None)
         if cfg.tokens:

@@ -98,6 +98,18 @@ class Quantizer:
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode(self, qw: QuantizedWeight, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight ``(O, I)`` that ``codes (O, I)`` give under ``qw``'s continuous tensors (tables, or scales and
+        zero points), differentiable in them; ``dequantize`` is ``decode`` of the stored codes. For schemes whose codes
+        can be re-assigned (``qrecover tune --params codes``)."""
+        raise QRecoverError(f"scheme {self.name!r} cannot re-assign its codes (no decode); leave 'codes' out of --params")
+
+    def encode(self, qw: QuantizedWeight, weight: torch.Tensor) -> torch.Tensor:
+        """Each element of ``weight (O, I)``'s nearest code under ``qw``'s continuous tensors, long ``(O, I)``; codes
+        re-assigned after the weight or the tables/scales moved. ``decode(qw, encode(qw, qw.dequantize()))`` is
+        ``qw.dequantize()`` exactly."""
+        raise QRecoverError(f"scheme {self.name!r} cannot re-assign its codes (no encode); leave 'codes' out of --params")
+
     def _pack(self, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         return QuantizedWeight(self.name, bits, tuple(shape), self.params, tensors)
 

@@ -91,16 +91,33 @@ class Blockwise(Quantizer):
         return self._pack(bits, (out_f, in_f), tensors)
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decode(qw, unpack(qw.tensors["qdata"], qw.bits, qw.numel), dtype)
+
+    def decode(self, qw: QuantizedWeight, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out_f, in_f = qw.shape
         b = self._block(qw.shape)
-        n_blocks = out_f * (in_f // b)
-        codes = unpack(qw.tensors["qdata"], qw.bits, out_f * in_f).view(out_f, in_f // b, b).to(dtype)
+        codes = codes.reshape(out_f, in_f // b, b).to(dtype)
         scale = qw.tensors["scale"].to(dtype).unsqueeze(-1)
+        return ((codes - self._zero(qw, dtype, codes.device)) * scale).reshape(out_f, in_f)
+
+    def encode(self, qw: QuantizedWeight, weight: torch.Tensor) -> torch.Tensor:
+        """``round(w / scale) + zero``, clamped to the code range (a zero scale gives the zero point's code: the value
+        is 0 whatever the code)."""
+        out_f, in_f = qw.shape
+        b = self._block(qw.shape)
+        s = qw.tensors["scale"].detach().float().unsqueeze(-1)
+        s = torch.where(s != 0, s, torch.ones_like(s))
+        w = weight.detach().float().reshape(out_f, in_f // b, b)
+        codes = torch.round(w / s) + self._zero(qw, torch.float32, w.device)
+        return codes.clamp_(0, 2**qw.bits - 1).long().reshape(out_f, in_f)
+
+    def _zero(self, qw: QuantizedWeight, dtype: torch.dtype, device) -> torch.Tensor:
+        """The zero point of each block, ``(O, I/B, 1)`` (asymmetric: stored), or ``2**(bits-1)`` (symmetric)."""
         if "zero_point" in qw.tensors:
-            zp = unpack(qw.tensors["zero_point"], qw.bits, n_blocks).view(out_f, in_f // b, 1).to(dtype)
-        else:
-            zp = torch.full((), 2 ** (qw.bits - 1), dtype=dtype, device=codes.device)
-        return ((codes - zp) * scale).reshape(out_f, in_f)
+            out_f, in_f = qw.shape
+            n = out_f * (in_f // self._block(qw.shape))
+            return unpack(qw.tensors["zero_point"], qw.bits, n).view(out_f, -1, 1).to(device=device, dtype=dtype)
+        return torch.full((), 2 ** (qw.bits - 1), dtype=dtype, device=device)
 
 
 def _round(w: torch.Tensor, bits: int, symmetric: bool, ratio: float):

@@ -280,12 +280,25 @@ class Palettize(Quantizer):
         return QuantizedWeight(self.name, bits, tuple(shape), params, tensors)
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decode(qw, unpack(qw.tensors["qdata"], qw.bits, qw.numel), dtype)
+
+    def decode(self, qw: QuantizedWeight, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out_f, in_f = qw.shape
         g, c = self._geometry(qw.shape)
         k = 2**qw.bits
-        codes = unpack(qw.tensors["qdata"], qw.bits, out_f * in_f).view(out_f // g, g, in_f // c, c).long()
+        codes = codes.reshape(out_f // g, g, in_f // c, c).long()
         base = torch.arange((out_f // g) * (in_f // c), device=codes.device).view(out_f // g, 1, in_f // c, 1) * k
         return qw.tensors["lut"].to(dtype).reshape(-1)[codes + base].reshape(out_f, in_f)
+
+    def encode(self, qw: QuantizedWeight, weight: torch.Tensor) -> torch.Tensor:
+        """The nearest entry of each element's table: the tables sorted (they need not be while they train), the
+        midpoints between neighbours as decision edges, one batched ``searchsorted``."""
+        out_f, in_f = qw.shape
+        g, c = self._geometry(qw.shape)
+        values, order = qw.tensors["lut"].detach().float().sort(dim=-1)  # (groups, K)
+        edges = ((values[:, 1:] + values[:, :-1]) / 2).contiguous()
+        pos = torch.searchsorted(edges, _to_groups(weight.detach().float(), g, c).contiguous())
+        return _from_groups(order.gather(1, pos), out_f, in_f, g, c)
 
 
 def refit_tables(weight: torch.Tensor, codes: torch.Tensor, lut: torch.Tensor, hessian: torch.Tensor, g: int, c: int,
