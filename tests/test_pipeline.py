@@ -153,7 +153,7 @@ BAD = [
     ('eval = 3\n', r"eval = 3 must be a table: write a \[eval\] section"),
     ('work_dir = 3\n', r"work_dir = 3 must be a string"),
     ('[tune]\nrank = 4\n', r"\[tune\]: unknown key\(s\) \['rank'\]; allowed keys: tokens, mix"),
-    ('[tune]\nparams = "codes"\n', r"\[tune\]: --params 'codes': choose a comma-separated subset of tables, scales"),
+    ('[tune]\nparams = "weights"\n', r"\[tune\]: --params 'weights': choose a comma-separated subset of tables, scales"),
     ('tune = 1\n', r"tune = 1 must be a table: write a \[tune\] section"),
     ('[compress\nbpw = 1\n', r"is not valid TOML"),
 ]
