@@ -48,6 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from transformers import AutoTokenizer
 
     import qrecover
     from qrecover.evaluate.heldout import HELD_OUT, heldout_windows, windows_perplexity
@@ -57,8 +58,7 @@ def main() -> None:
     model = qrecover.load(args.checkpoint, cache=True).eval()
     manifest = model.qrecover_manifest
     teacher = load_teacher(manifest).eval()
-    from qrecover.models import load_model
-    _, tok, _ = load_model(None)
+    tok = AutoTokenizer.from_pretrained(args.checkpoint)  # the checkpoint carries its tokenizer
     texts = {d: heldout_windows(tok, d, args.windows, 512) for d in HELD_OUT}
     score = lambda m: {d: windows_perplexity(m, w)["ppl"] for d, w in texts.items()}  # noqa: E731
     orig, quant = score(teacher), score(model)

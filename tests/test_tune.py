@@ -6,6 +6,8 @@ checkpoint has the source's exact byte count, changes only the tuned tensors (co
 ``qrecover.load``, runs the kernels' reference path and exports as before, and that ``recover`` trains on it; that
 lr 0 is the identity (bit-identical weights file); that an interrupted run resumed ends where an uninterrupted run
 ends; that ``qrecover info`` shows the tuning; and that bad input exits 2 with one line before any model loads.
+With ``--params ...,codes``: each scheme's ``encode`` gives the nearest code and ``decode`` inverts it, the master
+weight's gradient is dL/dW straight through, codes change only in linear layers, bytes are kept, lr 0 is the identity.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def tune(
     keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints", help="Keep OUT/checkpoints after training."),
     json_out: bool = JsonOpt,
 ) -> None:
-    """Train a checkpoint's continuous quantization parameters with distillation, codes frozen: zero extra bytes."""
+    """Train a checkpoint's continuous quantization parameters with distillation (codes frozen unless --params has codes): zero extra bytes."""
     from ..recovery.tune import tune as run  # lazy: torch, transformers, peft take seconds to import
 
     mix = training_data(mix, data, overwrite, resume)

@@ -139,7 +139,13 @@ class BuiltinSource(Source):
 
 
 class GeneratedSource(Source):
-    """A source the unquantized model writes, cached as JSONL; its kinds declare ``model`` (None = the loader's model)."""
+    """A source the unquantized model writes, cached as JSONL; its kinds declare ``model`` (None = the loader's model)
+    and the sampling settings ``temperature`` and ``top_p``."""
+
+    def validate(self, where: str, given: dict[str, Any]) -> None:
+        super().validate(where, given)
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
+            raise QRecoverError(f"{where}: temperature = {self.temperature} must be >= 0 and top_p = {self.top_p} in (0, 1]")
 
     def check(self, base_dir: str | None) -> None:
         if self.model is not None and not Path(self.model).expanduser().exists():
@@ -175,8 +181,6 @@ class SelfgenSource(GeneratedSource):
         super().validate(where, given)
         if self.prompt_mode not in ("template", "model"):
             raise QRecoverError(f"{where}: prompt_mode = {self.prompt_mode!r} must be 'template' or 'model'")
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
-            raise QRecoverError(f"{where}: temperature = {self.temperature} must be >= 0 and top_p = {self.top_p} in (0, 1]")
 
     def check(self, base_dir: str | None) -> None:
         super().check(base_dir)
@@ -212,8 +216,6 @@ class SelftextSource(GeneratedSource):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise QRecoverError(f"{where}: {k} = {v!r} must be a positive integer")
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1):
-            raise QRecoverError(f"{where}: temperature = {self.temperature} must be >= 0 and top_p = {self.top_p} in (0, 1]")
 
     def generate(self, model: Any, tokenizer: Any, show_progress: bool) -> Path:
         return generate_free_text(model, tokenizer, n=self.samples, seed=self.seed, max_new_tokens=self.max_new_tokens,
