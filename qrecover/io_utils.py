@@ -7,7 +7,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,29 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
         else:
             tmp.rename(final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the block (cleanup after a first error): a second signal, such as torchrun's
+    SIGTERM arriving just after a peer's failure broke a collective, is re-raised when the block ends instead of
+    cutting the removal of a temporary file short. Python-level handlers, not a signal mask: the mask is per thread,
+    and torch's worker threads would take the signal. A no-op off the main thread (no handler can be set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    old = {s: signal.signal(s, lambda n, _f: held.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)
+        for n in held:
+            signal.raise_signal(n)
 
 
 def read_json(path: str | os.PathLike, what: str, missing: str) -> Any:
@@ -120,7 +143,8 @@ def atomic_file(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with signals_held():
+            tmp.unlink(missing_ok=True)
         raise
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ from qrecover.api import compress
 from qrecover.checkpoint import FORMAT_VERSION, read_manifest
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
-from qrecover.io_utils import sha256_file, sha256_files
+from qrecover.io_utils import atomic_dir, atomic_file, sha256_file, sha256_files
 from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead
 from qrecover.stages import write as stage_write
 from qrecover.stages.checks import fits
@@ -576,6 +578,36 @@ def test_interrupted_write_leaves_nothing(tiny_model_dir, tiny_prepared, tmp_pat
         compress(cfg(tiny_model_dir, bpw=5.0), out=out, show_progress=False, prepared=tiny_prepared)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no .ck.tmp-* sibling
+
+
+def _exit_on_term(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_a_second_signal_during_the_cleanup_does_not_cut_it_short(tmp_path, monkeypatch, kind):
+    """torchrun's SIGTERM can arrive just after a broken collective raised in a process that is writing: the
+    removal of the temporary directory (or file) already under way finishes first, then the signal is delivered."""
+    real_rmtree, real_unlink = shutil.rmtree, Path.unlink
+
+    def signalled(real):
+        def run(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)  # without the mask, the handler raises here, before the removal
+            return real(*a, **k)
+        return run
+
+    monkeypatch.setattr(shutil, "rmtree", signalled(real_rmtree))
+    monkeypatch.setattr(Path, "unlink", signalled(real_unlink))
+    old = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        with pytest.raises(SystemExit) as e:
+            with (atomic_dir(tmp_path / "ck") if kind == "dir" else atomic_file(tmp_path / "f.bin")) as tmp:
+                (tmp / "part" if kind == "dir" else tmp).write_bytes(b"half")
+                raise RuntimeError("a peer failed")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_interrupted_overwrite_keeps_old(tiny_model_dir, tiny_prepared, tmp_path, monkeypatch):
