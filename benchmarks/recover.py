@@ -131,7 +131,8 @@ def checkpoints(out: Path, budgets: list[float], encodings: str | None = None, c
 DEFAULT_RUNS = ["3.5:kd:16@262144", "3.5:kd:16@16384", "3.5:kd:16:zero:lr=2e-3@16384", "3.5:ce:16@16384",
                 "3.5:ce:16:zero:lr=2e-3@16384", "3.7:kd:16@16384", "3.5:kd:8@16384", "3.5:kd:32@16384",
                 "3.5:kd:16:top:70@16384"]
-RUN_GRAMMAR = ("BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:blocks=N][:params=A+B][:codes_lr=X]"
+RUN_GRAMMAR = ("BPW:OBJECTIVE:RANK[:top:N][:zero][:lr=X][:head=R][:wsd][:damage][:mix=NAME][:int8][:tune[=N]][:blocks=N][:params=A+B]"
+               "[:codes_lr=X][:hidden=W]"
               "[@TOKENS]")
 MIXES = ROOT / "benchmarks" / "mixes"  # ':mix=NAME' trains on benchmarks/mixes/NAME.toml (or a .toml path)
 
@@ -156,7 +157,7 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
         parts = body.split(":")
         run = {"targets": "all", "init": "svd", "lr": None, "head_rank": 0, "schedule": "cosine", "int8": False,
                "rank_allocation": "uniform", "mix": None, "tune": None, "params": None, "blocks": 0,
-               "codes_lr": None}
+               "codes_lr": None, "hidden": 0.0}
         ok = len(parts) >= 3 and parts[1] in ("kd", "ce", "mix") and parts[2].isdigit() and (not n or n.isdigit())
         rest = parts[3:]
         while ok and rest:
@@ -183,6 +184,11 @@ def parse_runs(spec: str, tokens: int) -> list[dict]:
             elif rest[0].startswith("codes_lr="):  # the codes' lr when params has codes (tune_rows.py)
                 try:
                     run["codes_lr"], rest = float(rest[0][9:]), rest[1:]
+                except ValueError:
+                    ok = False
+            elif rest[0].startswith("hidden="):  # --hidden-weight: the decoder layers' outputs matched (tune and LoRA)
+                try:
+                    run["hidden"], rest = float(rest[0][7:]), rest[1:]
                 except ValueError:
                     ok = False
             elif rest[0].startswith("lr="):
@@ -214,6 +220,7 @@ def run_name(r: dict) -> str:
             + ("" if r.get("tune") is None else f"-tune{r['tune']}" + ("" if not r.get("blocks") else f"-blocks{r['blocks']}")
                + ("" if not r.get("params") else "-" + r["params"].replace(",", "+"))
                + ("" if r.get("codes_lr") is None else f"-clr{r['codes_lr']:g}"))
+            + ("" if not r.get("hidden") else f"-hid{r['hidden']:g}")
             + f"-{r['tokens']}tok")
 
 
@@ -327,7 +334,7 @@ def main() -> None:
         cfg = RecoverConfig(rank=rank, tokens=n_tokens, objective=objective, targets=targets, init=init,
                             seq_len=seq_len, checkpoint_every=0, head_rank=run["head_rank"], schedule=run["schedule"],
                             rank_allocation=run.get("rank_allocation", "uniform"),
-                            mix=None if run["mix"] is None else str(mix_path(run["mix"])),
+                            mix=None if run["mix"] is None else str(mix_path(run["mix"])), hidden_weight=run.get("hidden", 0.0),
                             **({} if run["lr"] is None else {"lr": run["lr"]}))
         curve = []  # the first at 0 tokens: the quantized model with the adapter as initialised
         per_step = cfg.tokens_per_step

@@ -6,6 +6,8 @@
 ``:params=tables+scales``        what trains (TuneConfig.params, '+' for ','); default: TuneConfig's
 ``3.5:kd:0:tune:lr=1e-4@16384``  with rank 0, ':lr=' is the tuning's learning rate (else the adapter's)
 ``:params=tables+scales+norms+embedding+codes:codes_lr=2e-2``  the codes too, at that lr (TuneConfig.codes_lr)
+``:hidden=1``                    --hidden-weight 1: every decoder layer's output matched beside the logits (the LoRA's
+                                 training too, where the row has one)
 ``3.5:kd:0:tune=0:blocks=32768@32768``  block-wise reconstruction on 32k tokens alone (TuneConfig.block_tokens), no
                                  end-to-end pass; ``tune=32768:blocks=32768`` both
 
@@ -30,6 +32,7 @@ def tune_config(run: dict, seq_len: int, mix: str | None) -> TuneConfig:
     return TuneConfig(tokens=run["tune"], seq_len=seq_len, checkpoint_every=0, mix=mix, block_tokens=run.get("blocks", 0),
                       **({} if run.get("params") is None else {"params": run["params"]}),
                       **({} if run.get("codes_lr") is None else {"codes_lr": run["codes_lr"]}),
+                      hidden_weight=run.get("hidden", 0.0),
                       **({"lr": run["lr"]} if run["rank"] == 0 and run.get("lr") is not None else {}))
 
 
@@ -40,6 +43,7 @@ def tuned_base(ckpt: Path, cfg: TuneConfig, out: Path, teacher: Any,
     d = out / (f"tuned-{ckpt.name}-{cfg.params.replace(',', '+')}-{cfg.tokens}tok"
                + (f"-blocks{cfg.block_tokens}" if cfg.block_tokens else "")
                + (f"-clr{cfg.codes_lr:g}" if "codes" in cfg.kinds else "")
+               + (f"-hid{cfg.hidden_weight:g}" if cfg.hidden_weight else "")
                + (f"-mix{Path(cfg.mix).stem}" if cfg.mix else ""))  # rows on other mixes never share a directory
     source = read_manifest(ckpt)["weights_file"]["sha256"]
     done = (d / "qrecover.json").is_file() and (d / "bench_cpu.json").is_file() and read_manifest(d).get("tuning", {})

@@ -320,3 +320,65 @@ def test_bad_chunk_and_teacher_device_exit_2(tiny_ckpt, tmp_path, capsys, argv, 
     code, out, err = cli(["recover", tiny_ckpt, "--out", tmp_path / "o", *argv], capsys)
     assert code == 2 and message in " ".join((out + err).split()), out + err
     assert not (tmp_path / "o").exists()
+
+
+# --- --hidden-weight: the decoder layers' outputs matched ---------------------------------------------------
+
+
+def test_hidden_error_is_the_relative_squared_error_per_token_in_float64():
+    g = torch.Generator().manual_seed(0)
+    s = [torch.randn(2, 5, 8, generator=g) for _ in range(3)]
+    t = [torch.randn(2, 5, 8, generator=g) * (i + 1) for i in range(3)]
+    t[1][0, 0] *= 100  # an outlier token weighs as much as any other
+    want = sum(float(((a.double() - b.double()) ** 2).sum(-1).div((b.double() ** 2).sum(-1)).mean()) for a, b in zip(s, t)) / 3
+    assert abs(float(O.hidden_error(s, t)) - want) <= 1e-6 * want
+    assert float(O.hidden_error(t, t)) == 0.0
+    with pytest.raises(QRecoverError, match="the student ran 2 decoder layers and the unquantized model 3"):
+        O.hidden_error(s[:2], t)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2"])
+def test_hidden_weight_adds_the_layer_outputs_error_to_the_loss(name):
+    """loss(w) = loss(0) + w x the mean relative error of every decoder layer's output, the outputs read
+    independently (transformers' output_hidden_states for all but the last layer, the final norm's input for the
+    last), and its gradient is that sum's; the first step (the head check's extra forwards) included."""
+    peft, teacher = _models(name)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    params = [p for p in peft.parameters() if p.requires_grad]
+
+    def outputs(model):
+        last = []
+        norm = O._unwrap(model).model.norm
+        h = norm.register_forward_pre_hook(lambda m, args: last.append(args[0]))
+        try:
+            hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+        finally:
+            h.remove()
+        return [*hs[1:-1], last[-1]]
+
+    with torch.no_grad():
+        t = outputs(teacher)
+    s = outputs(peft)
+    assert len(s) == len(t) == BASE["num_hidden_layers"]
+    ref = sum(((a - b) ** 2).sum(-1).div((b ** 2).sum(-1)).mean() for a, b in zip(s, t)) / len(s)
+    for chunk in (5, 0):
+        with_h = O.step_loss(peft, teacher, ids, ids, _cfg("kd", chunk, hidden_weight=0.7), NO_AUTOCAST)
+        without = O.step_loss(peft, teacher, ids, ids, _cfg("kd", chunk), NO_AUTOCAST)
+        assert float(ref.detach()) > 1e-4
+        assert abs(float(with_h - without) - 0.7 * float(ref)) <= 1e-9 * float(ref), chunk
+        g_with, g_without = torch.autograd.grad(with_h, params), torch.autograd.grad(without, params)
+        g_ref = torch.autograd.grad(0.7 * ref, params, retain_graph=True)
+        for a, b, r in zip(g_with, g_without, g_ref):
+            assert float((a - b - r).abs().max()) <= 1e-6 * float(r.abs().max()) + 1e-15  # float64: the rotary tables are fp32
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden-weight", "-1"], "--hidden-weight -1.0 must be >= 0 (0 = off)"),
+    (["--hidden-weight", "1", "--objective", "ce"], "--hidden-weight 1 matches the unquantized model's hidden states, "
+                                                    "which objective 'ce' does not run"),
+])
+@pytest.mark.parametrize("command", ["recover", "tune"])
+def test_bad_hidden_weight_exits_2(tiny_ckpt, tmp_path, capsys, argv, message, command):
+    code, out, err = cli([command, tiny_ckpt, "--out", tmp_path / "o", *argv], capsys)
+    assert code == 2 and message in " ".join((out + err).split()), out + err
+    assert not (tmp_path / "o").exists()

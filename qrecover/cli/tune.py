@@ -38,7 +38,7 @@ rounded to fp16 on save);
 # the training options are TuneConfig fields (qrecover.cli.config_options): their defaults and help texts
 @config_command(TuneConfig, only=("params", "tokens", "objective", "lr", "schedule", "seq_len", "batch_size", "grad_accum",
                                   "checkpoint_every", "gradient_checkpointing", "precision", "decontaminate", "loss_chunk",
-                                  "teacher_device", "codes_lr", "rounding_windows", "block_tokens", "block_epochs",
+                                  "teacher_device", "hidden_weight", "codes_lr", "rounding_windows", "block_tokens", "block_epochs",
                                   "block_lr", "seed"))
 def tune(
     checkpoint: Path = typer.Argument(..., help="A compressed checkpoint directory (the output of `qrecover compress`)."),

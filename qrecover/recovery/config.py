@@ -37,6 +37,10 @@ class RecoverConfig(DictConfig):
     objective: str = doc_field("kd", "'ce' (next-token cross-entropy on the data), 'kd' (KL to the unquantized model), 'mix' (both)")
     kd_weight: float = doc_field(0.5, "with objective 'mix': loss = (1 - kd_weight) * CE + kd_weight * KL")
     temperature: float = doc_field(1.0, "distillation temperature (1 = match the teacher's distribution as is)")
+    hidden_weight: float = doc_field(0.0, "add hidden_weight x the mean over decoder layers of each layer output's relative "
+                                     "squared error to the unquantized model's, per token (||h - h_teacher||^2 / "
+                                     "||h_teacher||^2): a dense signal on every hidden unit beside the logits' KL; 0 = off. "
+                                     "Needs objective 'kd' or 'mix' (docs/tune.md)")
     seq_len: int = doc_field(512, "tokens per packed training sequence")
     batch_size: int = doc_field(1, "sequences per micro-batch (per process); 1 x 512 tokens = more optimizer steps per token, "
                                    "which closed more of the gap than 4 x 512 at equal tokens on the default model")
@@ -121,6 +125,11 @@ class RecoverConfig(DictConfig):
             raise QRecoverError(f"--lr {self.lr} must be positive, e.g. --lr 1e-3")
         if not self.temperature > 0:
             raise QRecoverError(f"--temperature {self.temperature} must be positive")
+        if not self.hidden_weight >= 0:
+            raise QRecoverError(f"--hidden-weight {self.hidden_weight!r} must be >= 0 (0 = off), e.g. --hidden-weight 1")
+        if self.hidden_weight > 0 and self.objective == "ce":
+            raise QRecoverError(f"--hidden-weight {self.hidden_weight:g} matches the unquantized model's hidden states, which "
+                                "objective 'ce' does not run; use --objective kd or mix, or --hidden-weight 0")
         if not 0.0 <= self.warmup < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise QRecoverError(f"warmup={self.warmup} must be in [0, 1) and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every <= 0:

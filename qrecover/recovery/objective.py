@@ -28,7 +28,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import QRecoverError
+from ..models import decoder_layers
 
 #: positions of the model's own forward used to check the head and post-processing (see :func:`output_head`)
 CHECK_POSITIONS = 8
@@ -384,6 +385,44 @@ def place_teacher(teacher: nn.Module, device: torch.device, precision: str, teac
     return target
 
 
+# --- the decoder layers' outputs (--hidden-weight) --------------------------------------------------------
+
+@contextlib.contextmanager
+def layer_outputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """A list that holds the output hidden states ``(batch, seq, hidden)`` of each decoder layer of ``model``
+    (through its wrappers), in order, of the last forward inside the block (a first forward, such as
+    :func:`output_head`'s one-time check, is dropped when the next one starts); the hooks are gone after the block
+    (so activation checkpointing's recomputation in backward adds nothing)."""
+    found: list[torch.Tensor] = []
+    layers = decoder_layers(_unwrap(model))
+
+    def keep(mod: nn.Module, args: Any, out: Any) -> None:
+        if mod is layers[0]:
+            found.clear()
+        found.append(out[0] if isinstance(out, tuple) else out)
+
+    handles = [m.register_forward_hook(keep) for m in layers]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hidden_error(student: list[torch.Tensor], teacher: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
+    """The mean over layers and tokens of ``||h_s - h_t||^2 / ||h_t||^2`` (fp32): each token of each layer weighs the
+    same, whatever its norm (a first token's outlier norm does not dominate). In fp32 at least (bf16 activations
+    are widened)."""
+    if len(student) != len(teacher) or not student:
+        raise QRecoverError(f"--hidden-weight: the student ran {len(student)} decoder layers and the unquantized model "
+                            f"{len(teacher)}; they must be the same model's layers")
+    terms = []
+    for hs, ht in zip(student, teacher):
+        hs, ht = _wide(hs), _wide(ht)
+        terms.append(((hs - ht).square().sum(-1) / ht.square().sum(-1).clamp_min(eps)).mean())
+    return torch.stack(terms).mean()
+
+
 # --- one micro-batch ------------------------------------------------------------------------------------
 
 def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, labels: torch.Tensor, cfg: Any,
@@ -401,6 +440,19 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
     """
     use_teacher = teacher is not None and cfg.objective != "ce"
     t_dev = place_teacher(teacher, ids.device, precision, cfg.teacher_device) if use_teacher else None
+    if use_teacher and getattr(cfg, "hidden_weight", 0.0) > 0:
+        with layer_outputs(teacher) as t_layers, layer_outputs(model) as s_layers:
+            loss = _output_loss(model, teacher, ids, labels, cfg, autocast, precision, keep, t_dev)
+        with autocast():
+            return loss + cfg.hidden_weight * hidden_error(s_layers, [t.to(ids.device) for t in t_layers])
+    return _output_loss(model, teacher, ids, labels, cfg, autocast, precision, keep, t_dev)
+
+
+def _output_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, labels: torch.Tensor, cfg: Any,
+                 autocast: Callable[[], contextlib.AbstractContextManager], precision: str, keep: torch.Tensor | None,
+                 t_dev: torch.device | None) -> torch.Tensor:
+    """:func:`step_loss` on the output: the CE/KD loss of the logits (chunked where the head allows)."""
+    use_teacher = t_dev is not None
     chunk = int(cfg.loss_chunk)
     s_head = output_head(model, ids) if chunk > 0 else None
     t_head = output_head(teacher, ids.to(t_dev)) if use_teacher and s_head is not None else None
