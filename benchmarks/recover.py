@@ -101,12 +101,13 @@ def made_with(manifest: dict, cfg: CompressConfig) -> bool:
             and manifest["budget"]["encodings"] == menu(cfg))
 
 
-def checkpoints(out: Path, budgets: list[float], encodings: str | None = None, calib_data: str | None = None
-                ) -> dict[float, Path]:
+def checkpoints(out: Path, budgets: list[float], encodings: str | None = None, calib_data: str | None = None,
+                calib_samples: int | None = None) -> dict[float, Path]:
     """One calibration per process, one checkpoint per budget (``encodings``: the menu, default the compress
-    default; ``calib_data``: the calibration text, default the compress default); reused when a checkpoint with the
-    same config exists."""
-    calib = {} if calib_data is None else {"calib_data": calib_data}
+    default; ``calib_data``/``calib_samples``: the calibration text and windows, default the compress defaults);
+    reused when a checkpoint with the same config exists."""
+    calib = ({} if calib_data is None else {"calib_data": calib_data}) | (
+        {} if calib_samples is None else {"calib_samples": calib_samples})
     paths, todo = {}, []
     for bpw in budgets:
         d = out / f"ckpt-{bpw}"
@@ -261,6 +262,8 @@ def main() -> None:
     ap.add_argument("--calib-data", default=None,
                     help="the checkpoints' calibration text (compress --calib-data: python-docs, calib-mix or a path); "
                          "default compress's")
+    ap.add_argument("--calib-samples", type=int, default=None,
+                    help="the checkpoints' calibration windows (compress --calib-samples); default compress's")
     ap.add_argument("--base-encodings", default=None,
                     help="the base checkpoints' candidate menu (compress --encodings; default: the compress default). "
                          f"The former default (before GPTQ's range search, the rows of 2026-11-26/27): {FORMER_MENU}")
@@ -285,7 +288,7 @@ def main() -> None:
 
     original = ppl(teacher)
     print("original", original, flush=True)
-    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}), args.base_encodings, args.calib_data)
+    ckpts = checkpoints(out, sorted({r["bpw"] for r in runs}), args.base_encodings, args.calib_data, args.calib_samples)
     quantized, bpw = {}, {}
     for b, d in ckpts.items():
         m = api.load(d, cache=True)
@@ -302,7 +305,7 @@ def main() -> None:
     def score_references(budgets: list[float]) -> None:
         """The adapter-free checkpoint of each total size, scored (and compared with the smallest base budget)."""
         for b, d in checkpoints(out, [x for x in budgets if str(x) not in references], args.base_encodings,
-                                   args.calib_data).items():
+                                   args.calib_data, args.calib_samples).items():
             m = api.load(d, cache=True)
             p = ppl(m)
             references[str(b)] = {"bpw": b, "measured_bpw": m.qrecover_manifest["measured_bpw"]["model"], "ppl": p,
