@@ -61,8 +61,8 @@ class CompressConfig(DictConfig):
     calib_data: str = doc_field("python-docs", "text: 'python-docs' (built in), or a directory, file or glob of text files; or a data-mix "
                                                "recipe: 'calib-mix' (shipped: the docs' calib split + the model's own general chats) or a "
                                                ".toml file")
-    # 32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw; 128 is better on every domain but GSM8K (docs 1.179x vs
-    # 1.215x, worst held-out 1.378x vs 1.427x) at ~1.8x the compress time (docs/compress.md)
+    # 32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw; 64 is better on every domain (docs 1.175x vs 1.215x,
+    # worst held-out 1.389x vs 1.427x) at 1.27x the full menu's compress time: the candidate default (docs/compress.md)
     calib_samples: int = doc_field(32, "calibration windows")
     seq_len: int = doc_field(512, "tokens per calibration window")
     grad_samples: int | None = doc_field(None, "windows of the gradient pass (the damage estimates' weights): the first N of the "
