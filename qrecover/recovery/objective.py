@@ -410,9 +410,9 @@ def layer_outputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 def hidden_error(student: list[torch.Tensor], teacher: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
-    """The mean over layers and tokens of ``||h_s - h_t||^2 / ||h_t||^2`` (fp32): each token of each layer weighs the
-    same, whatever its norm (a first token's outlier norm does not dominate). In fp32 at least (bf16 activations
-    are widened)."""
+    """The mean over layers and tokens of ``||h_s - h_t||^2 / ||h_t||^2``, in fp32 at least (bf16 activations are
+    widened): each token of each layer weighs the same, whatever its norm (a first token's outlier norm does not
+    dominate)."""
     if len(student) != len(teacher) or not student:
         raise QRecoverError(f"--hidden-weight: the student ran {len(student)} decoder layers and the unquantized model "
                             f"{len(teacher)}; they must be the same model's layers")
@@ -440,11 +440,10 @@ def step_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor, la
     """
     use_teacher = teacher is not None and cfg.objective != "ce"
     t_dev = place_teacher(teacher, ids.device, precision, cfg.teacher_device) if use_teacher else None
-    if use_teacher and getattr(cfg, "hidden_weight", 0.0) > 0:
+    if use_teacher and cfg.hidden_weight > 0:
         with layer_outputs(teacher) as t_layers, layer_outputs(model) as s_layers:
             loss = _output_loss(model, teacher, ids, labels, cfg, autocast, precision, keep, t_dev)
-        with autocast():
-            return loss + cfg.hidden_weight * hidden_error(s_layers, [t.to(ids.device) for t in t_layers])
+        return loss + cfg.hidden_weight * hidden_error(s_layers, [t.to(ids.device) for t in t_layers])
     return _output_loss(model, teacher, ids, labels, cfg, autocast, precision, keep, t_dev)
 
 
