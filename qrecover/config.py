@@ -13,6 +13,10 @@ from .fields import DictConfig, doc_field
 #: :data:`qrecover.stages.specs.PRESETS` (until 2026-11-24: ``afm``, which configurations written then name explicitly
 #: as ``scheme``/``bits``; then ``afm-blocks`` for a day, then ``mixed-blocks`` until 2026-11-27).
 DEFAULT_ENCODINGS = "rot-mixed-blocks"
+#: Calibration windows when ``calib_samples`` is not given: 64 (32 until 2026-11-28, fourth session), and 32 for the
+#: ``quick`` preset, whose point is the quick start's time (64 windows cost it 7 min 0 s against 4 min 21 s).
+CALIB_SAMPLES = 64
+QUICK_CALIB_SAMPLES = 32
 
 
 @dataclass
@@ -61,9 +65,11 @@ class CompressConfig(DictConfig):
     calib_data: str = doc_field("python-docs", "text: 'python-docs' (built in), or a directory, file or glob of text files; or a data-mix "
                                                "recipe: 'calib-mix' (shipped: the docs' calib split + the model's own general chats) or a "
                                                ".toml file")
-    # 32 x 512 tokens measured 1.66x vs 1.75x ppl with 16 at 3.7 bpw; 64 is better on every domain (docs 1.175x vs 1.215x,
-    # worst held-out 1.389x vs 1.427x) at 1.27x the full menu's compress time: the candidate default (docs/compress.md)
-    calib_samples: int = doc_field(32, "calibration windows")
+    # None = 64 (CALIB_SAMPLES), or 32 with the quick menu (QUICK_CALIB_SAMPLES), resolved in __post_init__: 64 windows
+    # scored better than 32 on every domain at 3.7 bpw (docs 1.175x vs 1.215x, worst held-out 1.389x vs 1.427x) for
+    # 1.27x the full menu's compress time; the quick start keeps 32 to fit in 6 minutes (docs/compress.md)
+    calib_samples: int | None = doc_field(None, "calibration windows (default: 64; 32 with --encodings quick, the quick start's "
+                                                "menu)")
     seq_len: int = doc_field(512, "tokens per calibration window")
     grad_samples: int | None = doc_field(None, "windows of the gradient pass (the damage estimates' weights): the first N of the "
                                                "calibration windows (default: all)")
@@ -81,6 +87,9 @@ class CompressConfig(DictConfig):
             self.bits = [2, 3, 4]
         if self.scheme_params is None:
             self.scheme_params = {}
+        if self.calib_samples is None:
+            quick = (self.encodings or "").strip() == "quick"
+            self.calib_samples = QUICK_CALIB_SAMPLES if quick else CALIB_SAMPLES
         self.validate()
 
     def validate(self) -> None:
@@ -109,4 +118,4 @@ class CompressConfig(DictConfig):
             raise QRecoverError(f"--grad-samples {self.grad_samples} must be between 1 and --calib-samples ({self.calib_samples})")
 
 
-__all__ = ["CompressConfig", "DEFAULT_ENCODINGS"]
+__all__ = ["CALIB_SAMPLES", "QUICK_CALIB_SAMPLES", "CompressConfig", "DEFAULT_ENCODINGS"]

@@ -101,3 +101,20 @@ def test_config_fields_of_compress_finetune_and_tune_are_their_options(command, 
         assert "/".join([p.opts[0], *p.secondary_opts]) == flag and p.opts[1:] == [f.metadata.get("short")][:len(p.opts) - 1], f.name
         assert p.default == (False if f.metadata.get("negate") else f.default), f.name
         assert " ".join(f.metadata["help"].split())[1:] in " ".join(p.help.split()), f.name
+
+
+def test_calibration_windows_default_to_64_and_32_for_the_quick_menu():
+    """``--calib-samples`` unset: 64 windows for every menu but ``quick`` (32, the quick start's time); a given number
+    wins either way; the resolved number is what a config (and so a checkpoint's manifest) records and reads back."""
+    from qrecover.config import CALIB_SAMPLES, QUICK_CALIB_SAMPLES
+
+    assert (CALIB_SAMPLES, QUICK_CALIB_SAMPLES) == (64, 32)
+    assert CompressConfig().calib_samples == 64 and CompressConfig().encodings == "rot-mixed-blocks"
+    assert CompressConfig(encodings="quick").calib_samples == 32
+    assert CompressConfig(encodings="mixed-blocks").calib_samples == 64
+    assert CompressConfig(scheme="gptq", bits=[4], bpw=None).calib_samples == 64
+    assert CompressConfig(encodings="quick", calib_samples=48).calib_samples == 48
+    again = CompressConfig.from_dict(json.loads(CompressConfig(encodings="quick").to_json()))
+    assert again.calib_samples == 32 and again.to_dict() == CompressConfig(encodings="quick").to_dict()
+    params = {p.name: p for p in typer.main.get_command(qrecover_app).commands["compress"].params}
+    assert params["calib_samples"].default is None and "default: 64; 32 with --encodings quick" in params["calib_samples"].help

@@ -31,7 +31,9 @@ EXAMPLES = """Examples:
 
   qrecover compress --bpw 3.7 --no-finalize          # keep the candidates quantized on unquantized inputs
 
-  qrecover compress --bpw 3.7 --encodings quick      # the quick start: the default menu without table refits
+  qrecover compress --bpw 3.7 --encodings quick      # the quick start: the default menu without table refits, 32 windows
+
+  qrecover compress --bpw 3.7 --calib-samples 128    # more calibration windows (default 64): slower, a little better
 
   qrecover compress --bpw 3.7 --encodings mixed-blocks  # the same menu unrotated
 
@@ -50,9 +52,10 @@ matrices; rot1: R1 only; rot2: R2 only), e.g. rot+gptq:3/g64, rot+palettize:3, r
 
 Presets for --encodings (measured at --bpw 3.7 on the default model, reports/schemes.md, schemes-heldout.md):
 rot-mixed-blocks (the default: mixed-blocks on the model rotated by rot+, R1 + R2 Hadamard rotations fused into the
-weights; the best measured menu without an online input rotation, on every held-out domain: worst 1.43x; GGUF and
-Core ML export write its tied head untied, docs/export.md), quick (rot-mixed-blocks without the table refits and the range search: the quick start's
-menu), mixed-blocks (afm-blocks + gptq:3/g64/mse=true, gptq:4/g64/mse=true, GPTQ with its range search; unrotated:
+weights; the best measured menu without an online input rotation, on every held-out domain: worst 1.39x; GGUF and
+Core ML export write its tied head untied, docs/export.md), quick (rot-mixed-blocks without the table refits
+and the range search, calibrated on 32 windows unless --calib-samples says otherwise: the quick start's menu; worst
+held-out 1.48x), mixed-blocks (afm-blocks + gptq:3/g64/mse=true, gptq:4/g64/mse=true, GPTQ with its range search; unrotated:
 worst held-out 1.89x), afm (palettize:2,3,4: AFM's whole-row tables, the only palettization Core ML export takes),
 afm-blocks (palettize:2,3,4 with whole-row tables and tables per ~192 columns, each refitted twice: the best
 palettization-only menu), mixed (afm + gptq:3/g64, gptq:4/g64), mixed-awq (awq+gptq:3/g64, palettize:2,3,4,
