@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernel_timing import cold_ms, gemlite_call, int4_call, l2_bytes, n_copies, repack_costs  # noqa: E402
 from qrecover import kernels  # noqa: E402  (does not import triton)
+from qrecover.adapters.serve import quantize_adapter  # noqa: E402
 from qrecover.io_utils import write_text_atomic  # noqa: E402
 from qrecover.kernels import reference  # noqa: E402
 from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora  # noqa: E402
@@ -204,6 +205,8 @@ def bench_multi_adapter(device: str, shape: tuple[int, int], timed: bool, rank: 
     lora_a = (torch.randn(n_adapters, rank, in_f, generator=g) / in_f**0.5).to(device, dtype)
     lora_b = (torch.randn(n_adapters, out_f, rank, generator=g) * 0.01).to(device, dtype)
     layer = MultiAdapterLinear(base, lora_a, lora_b, torch.full((n_adapters,), 2.0)).to(device)
+    # the same adapters as 8-bit adapter files store them (int8 per row, fp16-exact scales): half the bytes
+    q8 = MultiAdapterLinear.from_int8(base, [quantize_adapter(a.cpu(), b.cpu(), 2.0) for a, b in zip(lora_a, lora_b)]).to(device)
     index = (torch.arange(batch) % n_adapters).to(device)
     x = torch.randn(batch, in_f, device=device, dtype=dtype)
 
@@ -213,14 +216,28 @@ def bench_multi_adapter(device: str, shape: tuple[int, int], timed: bool, rank: 
     def fused_multi():
         return add_lora(fused_base(), x, layer.lora_a, layer.lora_b, layer.scaling, index, use_kernels=True)
 
+    def fused_multi_int8():
+        return add_lora(fused_base(), x, q8.lora_a, q8.lora_b, q8.scaling, index, use_kernels=True, a_scale=q8.a_scale,
+                        b_scale=q8.b_scale)
+
     def one_by_one():
         return add_lora(fused_base(), x, layer.lora_a, layer.lora_b, layer.scaling, index, use_kernels=False)
 
+    def nbytes(*ts: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
     with torch.no_grad():
+        int8_ref = add_lora(fused_base(), x, q8.lora_a, q8.lora_b, q8.scaling, index, use_kernels=False, a_scale=q8.a_scale,
+                            b_scale=q8.b_scale)
         row = {"shape": f"{out_f}x{in_f}", "rank": rank, "adapters": n_adapters, "batch": batch,
-               "rel_err_multi_vs_one_by_one": rel_err(fused_multi(), one_by_one())}
+               "rel_err_multi_vs_one_by_one": rel_err(fused_multi(), one_by_one()),
+               "rel_err_int8_vs_one_by_one": rel_err(fused_multi_int8(), int8_ref),
+               "bytes_base": base.nbytes, "adapter_dtype": str(dtype).removeprefix("torch."), "bytes_adapters": nbytes(lora_a, lora_b),
+               "bytes_adapters_int8": nbytes(q8.lora_a, q8.lora_b, q8.a_scale, q8.b_scale)}
         if timed:
             t_base, t_multi = gpu_time_ms(fused_base), gpu_time_ms(fused_multi)
+            t_int8 = gpu_time_ms(fused_multi_int8)
+            row.update(ms_multi_int8=t_int8, overhead_int8_vs_base=t_int8 / t_base - 1)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(20):
@@ -377,10 +394,13 @@ def markdown(result: dict) -> str:
     m = result.get("multi_adapter")
     if m:
         lines += ["", f"multi-adapter LoRA ({m['shape']}, rank {m['rank']}, {m['adapters']} adapters, batch {m['batch']}): "
-                  f"rel. err vs one by one {m['rel_err_multi_vs_one_by_one']:.1e}"]
+                  f"rel. err vs one by one {m['rel_err_multi_vs_one_by_one']:.1e} (int8 adapters vs their torch reference "
+                  f"{m['rel_err_int8_vs_one_by_one']:.1e}); bytes read: base {m['bytes_base'] / 1e6:.2f} MB, adapters {m['adapter_dtype']} "
+                  f"{m['bytes_adapters'] / 1e6:.2f} MB, int8 {m['bytes_adapters_int8'] / 1e6:.2f} MB; 2 launches beside the base"]
         if timed:
             lines[-1] += (f"; base {m['ms_base']:.4f} ms, with adapters {m['ms_multi']:.4f} ms "
-                          f"(+{m['overhead_vs_base']:.0%}), one by one {m['ms_one_by_one']:.4f} ms")
+                          f"(+{m['overhead_vs_base']:.0%}), int8 adapters {m['ms_multi_int8']:.4f} ms "
+                          f"(+{m['overhead_int8_vs_base']:.0%}), one by one {m['ms_one_by_one']:.4f} ms")
     for key in ("decode", "checkpoint_decode"):
         d = result.get(key)
         if not d:
@@ -482,7 +502,8 @@ def main() -> None:
             checks.append(max(r["rel_err_vs_reference"] for r in result["layers"]) < (2e-3 if timed else 1e-5))
     if "adapters" in parts:
         result["multi_adapter"] = bench_multi_adapter(args.device, (4096, 4096) if timed else (96, 128), timed)
-        checks.append(result["multi_adapter"]["rel_err_multi_vs_one_by_one"] < 1e-2)
+        m = result["multi_adapter"]
+        checks.append(max(m["rel_err_multi_vs_one_by_one"], m["rel_err_int8_vs_one_by_one"]) < 1e-2)
     if "decode" in parts:
         result["decode"] = bench_decode(args.device, LLAMA_1B if timed else LLAMA_TOY, timed, 64 if timed else 8)
         checks.append(result["decode"]["prompt_logits_rel_err"] < (2e-2 if timed else 1e-5))

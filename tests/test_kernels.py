@@ -140,7 +140,10 @@ def test_kernels_compile_for_h100_without_a_gpu():
                        text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "registers" not in line]
-    assert len(rows) == 13 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout  # 5 kernels + 3 small + 3 r4 + 2 kd
+    # 5 dequant-matmul variants + split-K reduce + lora shrink/expand (fp16, int8) + 3 r4 + 2 kd
+    assert len(rows) == 15 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout
+    lora = [row for row in rows if row.startswith("| lora ")]
+    assert len(lora) == 4 and all(int(row.split("|")[3]) == 0 for row in lora), r.stdout  # int8 variants too, no spill
     r4 = [row for row in rows if row.startswith("| r4 rotation 1536")]
     assert len(r4) == 1 and int(r4[0].split("|")[3]) == 0, r.stdout  # the default model's size: no spills
     kd = [row for row in rows if row.startswith("| kd loss")]
@@ -250,6 +253,42 @@ def test_multi_adapter_linear_on_a_quantized_base(interp):
         assert rel_err(y.reshape(10, 48).cpu(), ref) < 1e-5
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_int8_adapters_match_float64_of_their_stored_values(interp, dtype, tol, monkeypatch):
+    """int8 adapters (codes and row scales, as 8-bit adapter files store them) through the kernels equal the float64
+    product of codes x scales; the shrink's workspace needs no zero fill (filled with NaN here, the result is the same)."""
+    from qrecover.adapters.serve import quantize_adapter
+    from qrecover.kernels.multi_adapter import stack_int8
+
+    adapters = _adapters(96, 40, (8, 4, 16))
+    q = [quantize_adapter(*a) for a in adapters]
+    lora_a, a_scale, lora_b, b_scale, scaling = stack_int8(q)
+    assert lora_a.dtype == lora_b.dtype == torch.int8 and a_scale.shape == (3, 16) and b_scale.shape == (3, 40)
+    stored = [((qa.double() * sa.double()[:, None]).float(), (qb.double() * sb.double()[:, None]).float(), s)
+              for qa, sa, qb, sb, s in q]
+    index = torch.tensor([2, -1, 0, 1, 2, 2, -1, 0, 1, 1, 0, 2, -1, 2, 0, 1, 1, 2, 0])
+    x, y0 = torch.randn(19, 96), torch.randn(19, 40)
+    ref = y0.double() + _one_by_one64(x.to(dtype), stored, index)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    dev = lambda t: t.to(DEV)  # noqa: E731 (a short local helper)
+    out = add_lora(dev(y0.to(dtype)), dev(x.to(dtype)), dev(lora_a), dev(lora_b), dev(scaling), dev(index), use_kernels=True,
+                   a_scale=dev(a_scale), b_scale=dev(b_scale))
+    assert out.dtype == dtype and rel_err(out.cpu(), ref) < tol
+    assert torch.equal(out[index == -1].cpu(), y0.to(dtype)[index == -1])
+    ref_path = y0 + lora_delta_reference(x, lora_a, lora_b, scaling, index, a_scale, b_scale)
+    assert rel_err(ref_path, y0.double() + _one_by_one64(x, stored, index)) < 1e-5
+    # int8 weights without their scales are refused, naming what is missing
+    with pytest.raises(QRecoverError, match="b_scale of shape \\(3, 40\\)"):
+        add_lora(y0, x, lora_a, lora_b, scaling, index, a_scale=a_scale)
+
+
 def test_multi_adapter_shape_errors():
     base = make_layer("palettize", 3, 48, 64).cpu()
     layer = MultiAdapterLinear.from_adapters(base, _adapters(64, 48, (4,)))
@@ -277,7 +316,7 @@ def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
     """Three sequences through one model, each with its own adapter (or none), match PEFT run adapter by adapter."""
     from peft import PeftModel
 
-    from qrecover.kernels.multi_adapter import attach_adapters
+    from qrecover.adapters.serve import attach_adapters
     from qrecover.loading import load
 
     dirs = [_peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "v_proj"], 0),
@@ -295,6 +334,35 @@ def test_attach_adapters_serves_peft_adapters_per_sequence(tiny_ckpt, tmp_path):
         assert rel_err(got[i], expected[i].double()) < 1e-5, i
     for i in range(2):  # the adapters do change the output
         assert rel_err(expected[i], base[i].double()) > 1e-3, i
+
+
+def test_attach_adapters_serves_8bit_adapter_directories_as_their_stored_codes(tiny_ckpt, tmp_path):
+    """An 8-bit adapter directory is served as its int8 codes and row scales (read, not re-quantized), and the model
+    matches PEFT on the directory's fp16 expansion of the same values to fp16 rounding."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    from qrecover.adapters.int8 import INT8_FILE, save_int8
+    from qrecover.adapters.serve import attach_adapters
+    from qrecover.kernels.multi_adapter import MultiAdapterLinear
+    from qrecover.loading import load
+
+    d = _peft_adapter(tiny_ckpt, tmp_path / "a0", 4, ["q_proj", "down_proj"], 0)
+    _, expanded = save_int8(load_file(str(d / "adapter_model.safetensors")), d / INT8_FILE)
+    save_file({k: v.contiguous() for k, v in expanded.items()}, str(d / "adapter_model.safetensors"))
+    stored = load_file(str(d / INT8_FILE))
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(load(tiny_ckpt), str(d)).eval()(input_ids=ids[:1]).logits[0]
+        base = load(tiny_ckpt)(input_ids=ids[1:]).logits[0]
+        model = load(tiny_ckpt)
+        attach_adapters(model, [d])(torch.tensor([0, -1]))  # int8 chosen by itself: the directory is 8-bit
+        got = model(input_ids=ids).logits
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(layer, MultiAdapterLinear) and layer.int8
+    assert torch.equal(layer.lora_a[0], stored["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    assert torch.equal(layer.b_scale[0], stored["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight_scale"])
+    assert rel_err(got[0], expected.double()) < 1e-3 and rel_err(got[1], base.double()) < 1e-6
 
 
 # --- real device ----------------------------------------------------------------------------------------

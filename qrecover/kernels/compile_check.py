@@ -194,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         ("split-K reduce", qmatmul._splitk_reduce,
          {"ws_ptr": "*fp32", "bias_ptr": "*fp16", "out_ptr": "*fp16", "total": "i32", "N": "i32", "stride_os": "i32"},
          dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024)),
-        ("lora shrink r16", multi_adapter_kernels._shrink_kernel,
-         {"x_ptr": "*fp16", "a_ptr": "*fp16", "idx_ptr": "*i64", "t_ptr": "*fp32", **{k: "i32" for k in (
-             "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(R_PAD=16, BLOCK_K=256)),
-        ("lora expand r16", multi_adapter_kernels._expand_kernel,
-         {"t_ptr": "*fp32", "b_ptr": "*fp16", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
-          **{k: "i32" for k in ("N", "R", "stride_bn", "stride_bo", "stride_ym")}}, dict(R_PAD=16, BLOCK_N=128)),
+        *[(f"lora shrink r16 {w}", multi_adapter_kernels._shrink_kernel,
+           {"x_ptr": "*fp16", "a_ptr": f"*{w}", "a_scale_ptr": "*fp32", "idx_ptr": "*i64", "t_ptr": "*fp32", **{k: "i32" for k in (
+               "M", "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(INT8=w == "i8", R_PAD=16, BLOCK_K=256))
+          for w in ("fp16", "i8")],
+        *[(f"lora expand r16 {w}", multi_adapter_kernels._expand_kernel,
+           {"t_ptr": "*fp32", "b_ptr": f"*{w}", "b_scale_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
+            **{k: "i32" for k in ("M", "N", "R", "n_splits", "stride_bn", "stride_bo", "stride_ym")}},
+           dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128))
+          for w in ("fp16", "i8")],
         *[(f"r4 rotation {n} ({P} x {B}) {dt}", fwht._fwht_rows,
            {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},
            dict(P=P, P_PAD=max(16, triton.next_power_of_2(P)), B=B, LOG_B=B.bit_length() - 1, FP32_DOT=False), 4 if P <= 16 else 8)
