@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
-#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,sweep,train,train-compiled,compress,decode,r4
-#   (default: tests,kernels,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
+#   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,adapters,sweep,train,train-compiled,compress,
+#   decode,r4 (default: tests,kernels,adapters,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
 #   greedy tokens/s, static cache + CUDA graphs) each need a call of their own); time limits T_TESTS, T_KERNELS, T_R4,
-#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g. --profile)
+#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE, T_ADAPTERS (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g. --profile)
 # Measured on an H100 (2026-11-26/27): tests > 75 s (cut there twice; now 150 s), kernels --quick ~50 s, r4 ~20 s, train
 # (build + compress + 12 steps) ~80-115 s, train with --compile-layers ~90 s after a train part (20 s of it
 # compiling); compress did not finish in 100 s twice: give it T_COMPRESS=240 in a call of its own.
@@ -18,7 +18,7 @@
 # and the call names .whl in `carry`.
 set -u
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
-PARTS=${1:-tests,kernels,r4,train,train-compiled}
+PARTS=${1:-tests,kernels,adapters,r4,train,train-compiled}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -40,6 +40,7 @@ if [[ $PARTS == *tests* ]]; then
     tests/test_dispatch.py tests/test_qmm_dot.py tests/test_kernels.py tests/test_gemv.py tests/test_int4pack.py \
     tests/test_precision.py tests/test_fwht_kernel.py \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence \
+    --deselect tests/test_kernels.py::test_attach_adapters_serves_8bit_adapter_directories_as_their_stored_codes \
     --deselect tests/test_kernels.py::test_loaded_checkpoint_moved_to_cuda_matches_cpu \
     --deselect tests/test_dispatch.py::test_recovery_training_step_makes_no_fused_call 2>&1 | tee "$OUT/tests.log" \
     | grep -v -E "PASSED|PytestBenchmarkWarning|warner\(" | tail -40
@@ -47,6 +48,11 @@ fi
 if [[ $PARTS == *kernels* ]]; then
   part kernels
   timeout ${T_KERNELS:-210} python3 benchmarks/kernels.py --quick --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | grep -v '^\s*$' | tail -60
+fi
+if [[ $PARTS == *adapters* ]]; then  # multi-adapter LoRA, fp16 and int8 adapters (never timed yet; 2026-11-28)
+  part adapters
+  timeout ${T_ADAPTERS:-90} python3 benchmarks/kernels.py --parts adapters --out "$OUT" 2>&1 | tee "$OUT/adapters.log" \
+    | grep -v '^\s*$' | tail -6
 fi
 if [[ $PARTS == *sweep* ]]; then  # every launch configuration of the batch-1 decode kernel, L2-cold (docs/kernels.md)
   part sweep
