@@ -93,7 +93,8 @@ def stack_int8(adapters: list[Int8Adapter]) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def dequantize_stacked(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A stacked adapter matrix ``(n, rows, cols)`` in ``dtype``: as it is, or int8 codes times their row scales."""
+    """Adapter matrices ``(..., rows, cols)`` in ``dtype``: as they are, or int8 codes times their row scales
+    ``(..., rows)``."""
     if weight.dtype != torch.int8:
         return weight.to(dtype)
     return (weight.float() * scale.float()[..., None]).to(dtype)
@@ -109,8 +110,8 @@ def lora_delta_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Te
         if a < 0:
             continue
         rows = index == a
-        A = dequantize_stacked(lora_a[a:a + 1], None if a_scale is None else a_scale[a:a + 1], x.dtype)[0]
-        B = dequantize_stacked(lora_b[a:a + 1], None if b_scale is None else b_scale[a:a + 1], x.dtype)[0]
+        A = dequantize_stacked(lora_a[a], None if a_scale is None else a_scale[a], x.dtype)
+        B = dequantize_stacked(lora_b[a], None if b_scale is None else b_scale[a], x.dtype)
         out[rows] = (x2[rows] @ A.T) @ B.T * scaling[a].to(x.dtype)
     return out
 
