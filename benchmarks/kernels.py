@@ -431,7 +431,8 @@ def _layer_table(result: dict, timed: bool) -> list[str]:
     lines = []
     if timed and "copy_GBps" in result:
         lines += [f"device-to-device copy: {result['copy_GBps']:.0f} GB/s", ""]
-    head = "| shape | format | batch | path on CUDA | packed MB | repack ms | repack MB | int4 repack ms | int4 MB |"
+    head = ("| shape | format | batch | path on CUDA | packed MB | repack ms | repack MB | int4 repack ms | int4 MB | "
+            "nibble codes ms | nibble codes MB |")
     if not result.get("dry_run"):
         head += " rel. err vs reference |"
     if timed:
@@ -441,7 +442,8 @@ def _layer_table(result: dict, timed: bool) -> list[str]:
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["layers"]:
         line = (f"| {r['shape']} | {r['format']} | {r['batch']} | {r['path']} | {r['packed_MB']:.2f} | {r['repack_ms']:.2f} | "
-                f"{r['repack_MB']:.3f} | {_fmt(r.get('int4_repack_ms'), '.1f')} | {_fmt(r.get('int4_MB'), '.2f')} |")
+                f"{r['repack_MB']:.3f} | {_fmt(r.get('int4_repack_ms'), '.1f')} | {_fmt(r.get('int4_MB'), '.2f')} | "
+                f"{_fmt(r.get('nibble_repack_ms'), '.1f')} | {_fmt(r.get('nibble_MB'), '.2f')} |")
         if not result.get("dry_run"):
             line += f" {r['rel_err_vs_reference']:.1e} |"
         if timed:

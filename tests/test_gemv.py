@@ -98,7 +98,7 @@ def test_the_tuner_may_pick_another_table_layout(interp):
     either layout decodes the same weights; the candidates list both among the first five."""
     layer = make_layer("palettize", 4, 64, 4096)
     fmt = layer_format(layer)
-    assert gemv.table_modes(fmt) == (gemv.LUT_PAIRS, gemv.LUT_FP32)
+    assert gemv.table_modes(fmt) == (gemv.LUT_PAIRS, gemv.LUT_FP32, gemv.LUT_REGS, gemv.LUT_REGS_H2)
     tensors = kernels.kernel_tensors(layer, fmt)
     assert tensors["lut_kernel"] is tensors[f"lut_kernel_{gemv.LUT_PAIRS}"]
     assert tensors[f"lut_kernel_{gemv.LUT_FP32}"].shape == (4, 16)
@@ -108,9 +108,12 @@ def test_the_tuner_may_pick_another_table_layout(interp):
         assert rel_err(y, ref64(layer, x)) < 1e-5, mode
     from qrecover.kernels.qmatmul import candidate_configs
 
-    first = candidate_configs(fmt, 1)[:5]
-    # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), pairs among the first five
-    assert first[0].lut == gemv.LUT_FP32 and {c.lut for c in first} == {gemv.LUT_PAIRS, gemv.LUT_FP32}
+    configs = candidate_configs(fmt, 1)
+    # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), then the register tables
+    # (never timed yet) of the two first tiles; pairs among the first ten
+    assert [c.lut for c in configs[:3]] == [gemv.LUT_FP32] * 3
+    assert [c.lut for c in configs[3:7]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
+    assert gemv.LUT_PAIRS in {c.lut for c in configs[:10]}
 
 
 _PTX_LOADS = """
@@ -147,3 +150,208 @@ def test_inline_ptx_never_reads_fp16_tables_32_bits_at_a_time():
     assert r.returncode == 0, r.stderr[-2000:]
     counts = json.loads(r.stdout.strip().splitlines()[-1])
     assert counts["palettize"][0] == counts["blockwise"][0] > 0 and counts["palettize"][1] >= 64, counts
+
+
+_SHAPES = [(2, None, 256), (3, None, 256), (3, None, 160), (3, 32, 256), (2, 64, 256)]
+_SHAPES4 = [(4, None, 256), (4, 64, 256)]  # 4-bit: 16-entry tables, no nibble repack
+
+
+@pytest.mark.parametrize("mode,bits,block,in_f", [(m, *c) for m in (gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES) for c in _SHAPES]
+                         + [(m, *c) for m in (gemv.LUT_REGS_H2, gemv.LUT_REGS_NIBBLES_H2) for c in _SHAPES[2:]]
+                         + [(m, *c) for m in (gemv.LUT_REGS, gemv.LUT_REGS_H2) for c in _SHAPES4])
+def test_register_tables_in_the_decode_kernel(interp, mode, bits, block, in_f):
+    """Register tables (byte planes looked up four codes at a time), on the stored codes and on nibble codes (160
+    inputs: 5 groups of 32 codes, planes padded to 8 words), with fp32 or fp16 pair FMAs, against float64; the
+    interpreter runs the kernel's plain-op stand-ins for ``PRMT`` and ``fma.rn.f16x2`` (compiled: inline PTX). The
+    fp16 pair FMAs take fp16 activations only, and say so otherwise."""
+    layer = make_layer("palettize", bits, 48, in_f, block_size=block)
+    cases = ((1, torch.float32, 1e-5), (3, torch.float32, 1e-5), (2, torch.float16, 2e-3), (1, torch.bfloat16, 1e-2),
+             (4, torch.float16, 2e-3))
+    h2 = mode in gemv.H2_MODES
+    if h2:
+        with pytest.raises(ValueError, match="fp16 activations"):
+            kernels.fused_linear(layer, torch.randn(1, in_f, device=DEV).bfloat16(),
+                                 config=Config(1, 32, 32, 2, False, lut=mode))
+        cases = tuple(c for c in cases if c[1] == torch.float16)
+    wide = 64 if (block or in_f) % 64 == 0 else 32
+    for batch, dtype, tol in cases:
+        x = torch.randn(batch, in_f, device=DEV).to(dtype)
+        # asm: the inline PTX where compiled (a GPU), ignored by the interpreter; the plain-op stand-ins in the first
+        for cfg in (Config(4 if batch > 2 else batch, 32, 32, 2, False, lut=mode),
+                    Config(4 if batch > 2 else batch, 16, wide, 1, False, asm=True, lut=mode)):
+            y = kernels.fused_linear(layer, x, config=cfg)
+            assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch, cfg)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_register_tables_and_nibble_codes_hold_every_value(bits):
+    """Byte planes give back each fp16 entry; nibble codes hold each code where the kernel's selectors read it."""
+    layer = make_layer("palettize", bits, 16, 96 if bits == 3 else 64).cpu()
+    fmt = layer_format(layer)
+    planes = gemv.register_tables(layer.lut).view(torch.uint8).view(-1, 2, 8)  # (T, low/high byte plane, entry)
+    assert planes.shape[0] == layer.lut.shape[0]
+    entries = (planes[:, 0].int() | planes[:, 1].int() << 8).to(torch.int16).view(torch.float16)
+    assert torch.equal(entries[:, :1 << bits], layer.lut) and not entries[:, 1 << bits:].any()
+    codes = unpack(layer.qdata, bits, fmt.out_f * fmt.in_f).view(fmt.out_f, -1).long()
+    nib = gemv.nibble_codes(fmt, layer.qdata.view(torch.int32)).long() & 0xFFFFFFFF
+    groups = fmt.in_f // 32
+    if bits == 3:  # three planes per row (word b of every group), each padded to 4 words: 3 groups -> 4
+        assert nib.shape == (fmt.out_f, 3 * 4) and not nib.view(fmt.out_f, 3, 4)[:, :, groups:].any()
+        nib = nib.view(fmt.out_f, 3, 4)[:, :, :groups].transpose(1, 2).reshape(fmt.out_f, -1)
+    else:
+        assert nib.shape == (fmt.out_f, fmt.in_f // 16)
+    fields = (nib[:, :, None] >> 4 * torch.arange(8)) & 15  # (rows, word, nibble)
+    if bits == 2:
+        got = torch.cat([fields & 3, fields >> 2], dim=2)  # codes 0-7, then 8-15 of each word
+    else:
+        g = fields.view(fmt.out_f, -1, 3, 8)
+        fourth = (g[:, :, 0] >> 3) | (g[:, :, 1] >> 3) << 1 | (g[:, :, 2] >> 3) << 2
+        got = torch.cat([g[:, :, 0] & 7, g[:, :, 1] & 7, g[:, :, 2] & 7, fourth], dim=2)
+    assert torch.equal(got.reshape(fmt.out_f, -1), codes)
+
+
+def test_nibble_codes_are_kept_only_where_the_tuner_chose_them(interp, monkeypatch):
+    """The tuner's first candidates for a 3-bit layer at batch 1 include register tables on both code layouts
+    (inline PTX); a layer keeps its second copy of the codes only once the tuner picked nibble codes, and the
+    tuned launch then reads them."""
+    layer = make_layer("palettize", 3, 64, 4096)
+    fmt = layer_format(layer)
+    first = interp.candidate_configs(fmt, 1)[:5]
+    assert first[0].lut == -1 and first[0].asm  # the pair-table kernel stays first (the interpreter runs it)
+    assert [(c.lut, c.asm) for c in first[1:5]] == [(m, True) for m in (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES,
+                                                                      gemv.LUT_REGS_H2, gemv.LUT_REGS)]
+    x = torch.randn(1, 4096, device=DEV)
+    assert "qdata_nibbles" not in kernels.kernel_tensors(layer, fmt)
+    monkeypatch.setattr(interp, "_TUNED", {(fmt, 1, x.dtype, x.device.type): Config(1, 32, 128, 2, False, lut=gemv.LUT_REGS_NIBBLES)})
+    tensors = kernels.kernel_tensors(layer, fmt)
+    assert torch.equal(tensors["qdata_nibbles"], gemv.nibble_codes(fmt, layer.qdata.view(torch.int32)))
+    assert kernels.kernel_tensors(layer, fmt)["qdata_nibbles"] is tensors["qdata_nibbles"]  # made once
+    monkeypatch.setattr(gemv, "nibble_codes", lambda *a: pytest.fail("the launch re-made the nibble codes"))
+    assert rel_err(kernels.fused_linear(layer, x), ref64(layer, x)) < 1e-5
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX ``prmt.b32 d, a, b, c`` (default mode), as the PTX ISA defines it: byte ``i`` of ``d`` is byte
+    ``c[4i + 2 : 4i]`` of the 8 bytes ``b:a``, sign-replicated when ``c[4i + 3]`` is set."""
+    src = (b << 32 | a).to_bytes(8, "little")
+    out = bytearray(4)
+    for i in range(4):
+        nib = c >> 4 * i & 15
+        byte = src[nib & 7]
+        out[i] = (0xFF if byte & 0x80 else 0) if nib & 8 else byte
+    return int.from_bytes(out, "little")
+
+
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """Run the ``prmt``/``mov``/``cvt``/``fma.rn.f16x2`` statements of ``asm`` in order on integer registers."""
+    import re
+
+    import numpy as np
+
+    def val(t):
+        return int(t, 16) if t.startswith("0x") else regs[t]
+
+    def halves(v):
+        return np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    for stmt in (t.strip().lstrip("{").strip() for t in asm.split(";")):  # "{ .reg ...; ...; }": a block of statements
+        if m := re.fullmatch(r"prmt\.b32 ([\w$]+), ([\w$]+), ([\w$]+), ([\w$]+)", stmt):
+            regs[m[1]] = _prmt(val(m[2]), val(m[3]), val(m[4]))
+        elif m := re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, ([\w$]+)", stmt):
+            regs[m[1]], regs[m[2]] = val(m[3]) & 0xFFFF, val(m[3]) >> 16
+        elif m := re.fullmatch(r"cvt\.f32\.f16 (\$\d+), (\w+)", stmt):
+            regs[m[1]] = np.array([val(m[2])], dtype=np.uint16).view(np.float16)[0]
+        elif m := re.fullmatch(r"fma\.rn\.f16x2 (\$\d+), ([\w$]+), ([\w$]+), ([\w$]+)", stmt):
+            r = (halves(val(m[2])) * halves(val(m[3])) + halves(val(m[4]))).astype(np.float16).view(np.uint16)
+            regs[m[1]] = int(r[0]) | int(r[1]) << 16
+        elif stmt and not stmt.startswith((".reg", "}")):
+            raise AssertionError(f"no model for PTX statement {stmt!r}")
+    return regs
+
+
+def _ptx(fn, *inputs, outs: int = 1) -> list:
+    """Run the inline PTX of the triton helper ``fn`` on ``inputs`` (operands ``$outs..``); its outputs ``$0..``."""
+    import inspect
+    import re
+
+    src = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
+    asm = "".join(re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(")[1].split('"=r')[0]))
+    regs = _run_ptx(asm, {f"${outs + i}": v for i, v in enumerate(inputs)})
+    return [regs[f"${i}"] for i in range(outs)]
+
+
+@pytest.mark.parametrize("entries", [8, 16])
+def test_register_lookup_ptx_selects_each_entry(entries):
+    """The inline PTX of the register-table look-up (``_prmt``, ``_interleave``, ``_halves``, ``_fma2``), run
+    statement by statement under a model of ``prmt``, ``mov``, ``cvt`` and ``fma.rn.f16x2`` from the PTX ISA and
+    composed as ``_regs_pairs`` composes them: for four codes of a random 8- or 16-entry table, the outputs are those
+    entries, and the pair FMAs add entry x activation to the right accumulator halves. (The asm itself runs only on a
+    GPU; this checks its selectors and operand order, and the 4-bit selector arithmetic.)"""
+    import numpy as np
+
+    rng = np.random.default_rng(entries)
+    table = rng.standard_normal(entries).astype(np.float16)
+    planes = [v & 0xFFFFFFFF for v in gemv.register_tables(torch.from_numpy(table)[None])[0].tolist()]
+    assert len(planes) == entries // 2
+
+    def prmt(a, b, c):
+        return _ptx(gemv._prmt, a, b, c)[0]
+
+    def plane_bytes(sel, words):  # _regs_pairs: one prmt for 8 entries, three (_bytes16) for 16
+        if len(words) == 2:
+            return prmt(*words, sel)
+        low, half = sel & 0x7777, ((sel >> 1) & 0x4444) | 0x3210
+        return prmt(prmt(words[0], words[1], low), prmt(words[2], words[3], low), half)
+
+    for codes in [(0, 1, 2, 3), (7, 6, 5, 4), (3, 3, 0, 7), (5, 2, 7, 1)] + ([(15, 8, 12, 9), (0, 15, 7, 8)] if entries == 16 else []):
+        # the selector's high half holds the next four codes: prmt must ignore it
+        sel = sum(c << 4 * i for i, c in enumerate(codes)) | 0x7777 << 16
+        half = entries // 4
+        lo, hi = plane_bytes(sel, planes[:half]), plane_bytes(sel, planes[half:])
+        p, q = _ptx(gemv._interleave, lo, hi, outs=2)
+        got = _ptx(gemv._halves, p, outs=2) + _ptx(gemv._halves, q, outs=2)
+        assert got == [table[c] for c in codes], codes
+        x = rng.standard_normal(4).astype(np.float16)
+        acc = rng.standard_normal(4).astype(np.float16)
+        sums = [_ptx(gemv._fma2, w, xu, a)[0] for w, xu, a in zip((p, q), x.view(np.uint32).tolist(), acc.view(np.uint32).tolist())]
+        want = (table[list(codes)].astype(np.float64) * x + acc).astype(np.float16)
+        assert np.array_equal(np.array(sums, dtype=np.uint32).view(np.float16), want), codes
+
+
+_REGS_ISA = """
+import json
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv
+out = {}
+for label, sig, const, opts in cc.gemv_variants("default"):
+    if const["BITS"] == 3 and const["SCHEME"] == 0 and const["BLOCK_N"] == 128 and const["ASM"] and const["LUT"] in (
+            gemv.LUT_PAIRS, gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES):
+        k = cc._compile(gemv._gemv_kernel, sig, const, GPUTarget("cuda", 90, 32), **opts)
+        row = cc.isa_row(k, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
+        out[const["LUT"]] = [row["total"], row["global load"], k.asm["ptx"].count("prmt.b32"), k.asm["ptx"].count("ld.global.nc.b64")]
+print(json.dumps(out))
+"""
+
+
+def test_register_tables_compile_to_prmt_without_table_loads():
+    """Compiled for sm_90 (no GPU needed): the register-table variants of the 3-bit decode kernel (1x128x256, inline
+    PTX) look entries up with ``prmt`` and read no 64-bit pair from memory, so they issue fewer global loads per
+    weight than the pair-table kernel; with nibble codes, fewer instructions per weight too (4.24 against 4.91
+    under triton 3.9 and 3.6 when written)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _REGS_ISA], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    pairs, regs, nibbles = got[gemv.LUT_PAIRS], got[gemv.LUT_REGS], got[gemv.LUT_REGS_NIBBLES]
+    assert pairs[3] > 0, pairs
+    for row in (regs, nibbles):  # one prmt per weight: 256 per thread per 1x128x256 tile (4 warps)
+        assert row[2] >= 256 and row[3] == 0 and row[1] < pairs[1] / 2, (row, pairs)
+    assert nibbles[0] < pairs[0] and nibbles[0] < regs[0], got

@@ -66,9 +66,13 @@ def test_dry_run_builds_every_quick_case(tmp_path):
         out_f, in_f = map(int, r["shape"].split("x"))
         bits = 3 if r["format"] == "palettize-3" else 4
         assert r["packed_bytes"] >= out_f * in_f * bits // 8
-        if r["format"].startswith("palettize"):  # (out/16) whole-row tables, each as fp32 pairs and fp32 singles
-            n = 1 << bits
-            assert r["repack_MB"] * 1e6 == pytest.approx(out_f // 16 * (n * n * 8 + n * 4))
+        if r["format"].startswith("palettize"):  # (out/16) whole-row tables, each as fp32 pairs and fp32 singles,
+            n = 1 << bits  # and as register-table byte planes (2 bytes per entry, as stored)
+            assert r["repack_MB"] * 1e6 == pytest.approx(out_f // 16 * (n * n * 8 + n * 4 + n * 2))
+        if r["format"] == "palettize-3":  # nibble codes (made only where the tuner picks them): as many bytes as the codes
+            assert r["nibble_MB"] * 1e6 == pytest.approx(out_f * in_f * 3 / 8)
+        else:
+            assert "nibble_MB" not in r
         if r["format"] == "blockwise-4-b64":  # torch's int4 layout: codes + (K/64, N, 2) bf16 scales and zeros
             assert r["int4_MB"] * 1e6 == pytest.approx(out_f * in_f // 2 + in_f // 64 * out_f * 2 * 2)
         else:

@@ -191,18 +191,34 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
 def kernel_tensors(layer, fmt: Format) -> dict[str, torch.Tensor]:
     """The layer's packed buffers, plus for palettize the decode kernel's tables, repacked once
     (:func:`~qrecover.kernels.gemv.kernel_tables`) and kept on the layer until its tables change (moved or written):
-    ``lut_kernel`` in the default layout, ``lut_kernel_<mode>`` for each layout the tuner may pick."""
+    ``lut_kernel`` in the default layout, ``lut_kernel_<mode>`` for each layout the tuner may pick; and
+    ``qdata_nibbles`` (:func:`~qrecover.kernels.gemv.nibble_codes`, a second copy of the codes) only where the
+    tuner chose that layout."""
     tensors = {n: getattr(layer, n) for n in layer._tensor_names}
     if fmt.scheme == PALETTIZE:
         lut = tensors["lut"]
         key = (lut.data_ptr(), str(lut.device), lut._version)
         cached = getattr(layer, "_kernel_repack", None)
         if cached is None or cached[0] != key:
-            from .gemv import kernel_tables, table_modes  # triton: an optional dependency, imported at first use
-            cached = layer._kernel_repack = (key, {m: kernel_tables(fmt, lut, m) for m in table_modes(fmt)})
+            # triton: an optional dependency, imported at first use
+            from .gemv import LUT_REGS, kernel_tables, table_modes
+            tables = {}
+            for m in table_modes(fmt):  # the register-table modes share one repack (same planes; other codes, FMAs)
+                tables[m] = tables[LUT_REGS] if m > LUT_REGS and LUT_REGS in tables else kernel_tables(fmt, lut, m)
+            cached = layer._kernel_repack = (key, tables)
         tables = cached[1]
         tensors["lut_kernel"] = next(iter(tables.values()))
         tensors.update({f"lut_kernel_{m}": t for m, t in tables.items()})
+        if fmt.bits in (2, 3):
+            from .qmatmul import code_words, nibble_codes_wanted
+            if nibble_codes_wanted(fmt):  # the tuner chose nibble codes: a second copy of the codes, made once
+                qdata = tensors["qdata"]
+                key = (qdata.data_ptr(), str(qdata.device), qdata._version)
+                cached = getattr(layer, "_nibble_repack", None)
+                if cached is None or cached[0] != key:
+                    from .gemv import nibble_codes
+                    cached = layer._nibble_repack = (key, nibble_codes(fmt, code_words(qdata)))
+                tensors["qdata_nibbles"] = cached[1]
     return tensors
 
 

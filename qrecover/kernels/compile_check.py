@@ -31,10 +31,26 @@ from . import fwht, gemv, isa, kd_loss, multi_adapter_kernels, qmatmul, qmm_dot
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
 
+#: integer arguments that are multiples of 16 at the benchmark's shapes (4096/14336 features, split-K tiles), which
+#: triton's launcher specializes as such at run time (``--aligned``)
+ALIGNED_INTS = ("N", "K", "row_words", "k_split", "stride_xm", "stride_om", "stride_os")
+#: compile as the launcher specializes at run time: 16-byte aligned pointers, ALIGNED_INTS divisible by 16, M == 1
+#: for batch-1 tiles (set by ``--aligned``; off by default, the setting of the tables in docs/kernels.md before 11-28)
+ALIGNED = False
+
+
 def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], target: GPUTarget, **options):
+    if ALIGNED and constexprs.get("BLOCK_M") == 1 and "M" in signature:
+        signature = {k: v for k, v in signature.items() if k != "M"}
+        constexprs = dict(constexprs, M=1)
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
-    names = list(sig)
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    names = [n for n in fn.arg_names]
+    sig = {n: sig[n] for n in names if n in sig}
+    attrs = {}
+    if ALIGNED:
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+                 if v.startswith("*") or k in ALIGNED_INTS}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     return triton.compile(src, target=target, options=options)
 
 
@@ -103,23 +119,28 @@ def gemv_variants(level: str):
                (0, 4, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_FP32),
                (0, 4, False, gemv.LUT_FP16), (0, 8, False, gemv.LUT_FP32), (1, 2, False, 0), (1, 3, True, 0),
                (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
+    formats += [(0, bits, False, mode) for bits in (3, 4, 2) for mode in gemv.register_modes(gemv.Format(0, bits, 16, 32, 16, 32, False))]
     if level != "all":
         formats = [f for f in formats if f[:2] in ((0, 3), (0, 4), (1, 4)) or f[2]]
     tiles = [(1, 64, 128, 4), (1, 128, 256, 4)] if level != "smoke" else [(1, 64, 128, 4)]
     for dt in dtypes:
         for scheme, bits, zp, lut in formats[:1] if level == "smoke" else formats:
+            if lut in gemv.H2_MODES and dt != "fp16":  # fp16 pair FMAs take fp16 activations only
+                continue
             asms = (False, True) if (scheme == 0 and lut) or bits == 3 else (False,)  # inline-PTX loads (tables, 3-bit words)
             for (bm, bn, bk, warps), asm in [(t, a) for t in tiles for a in asms]:
                 xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
-                lut_t = ("*fp16", "*fp32", "*i64")[lut] if scheme == 0 else "*fp16"
+                lut_t = ("*fp16", "*fp32", "*i64", "*i32", "*i32", "*i32", "*i32")[lut] if scheme == 0 else "*fp16"
                 sig = {"x_ptr": "*i32" if xp else f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16",
                        "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
-                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             ROW_TABLES=lut >= gemv.LUT_REGS)  # register tables: whole-row tables (loaded once)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
-                lut_name = ("", " fp32-lut", " pair-lut")[lut] if scheme == 0 else ""
+                lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles", " reg-lut h2",
+                            " reg-lut nibbles h2")[lut] if scheme == 0 else ""
                 yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
 
 
@@ -161,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="two dequant-matmul variants and the small kernels (tests)")
     ap.add_argument("--isa", action="store_true", help="also thread instructions per decoded weight in the main loop, "
                     "by kind, and occupancy (sm_90 limits)")
+    ap.add_argument("--match", default="", help="only the dequant-matmul variants whose label contains this text "
+                    "(e.g. 'palettize-3 fp16 decode')")
+    ap.add_argument("--aligned", action="store_true", help="compile as the launcher specializes at run time: aligned "
+                    "pointers, shape integers divisible by 16, M = 1 at batch 1 (allows vector loads)")
     args = ap.parse_args(argv)
+    global ALIGNED
+    ALIGNED = args.aligned
     if qmatmul.interpreting():
         print("TRITON_INTERPRET is set: the kernels are interpreted functions; unset it to compile", file=sys.stderr)
         return 2
@@ -177,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     level = "all" if args.all else "smoke" if args.smoke else "default"
     variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level)]
                 + [(qmm_dot._dot_decode_kernel, *v) for v in dot_variants(level)])
-    for fn, label, sig, const, opts in variants:
+    for fn, label, sig, const, opts in [v for v in variants if args.match in v[1]]:
         kernel = _compile(fn, sig, const, target, **opts)
         r = resources(kernel)
         if args.isa:

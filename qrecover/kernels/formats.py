@@ -29,7 +29,8 @@ class Config:
     """One launch configuration. ``use_dot``: tensor-core product (else broadcast multiply-and-sum). ``asm``: the
     decode kernel reads tables and 3-bit code words through inline PTX (:func:`qrecover.kernels.gemv._lut_load`;
     compiled kernels only, ignored under triton's interpreter). ``lut``: the decode kernel's palettize table layout
-    (:mod:`qrecover.kernels.gemv`'s ``LUT_*``; -1 = its default for the shape)."""
+    (:mod:`qrecover.kernels.gemv`'s ``LUT_*``: fp16/fp32/pair tables read from memory, or register tables 3-6; -1 =
+    its default for the shape)."""
 
     block_m: int
     block_n: int

@@ -12,6 +12,10 @@ shuffles), and each tile is reduced across lanes. Here:
 - palettize tables, repacked once at first use (:func:`kernel_tables`), are fp32 *pair* tables (2/3/4-bit: two
   codes index one entry, read as one 64-bit load and split into its fp32 halves, FLUTE's trick) or fp32 singles;
   which layout a shape uses is a tuning choice (``Config.lut``, :func:`table_modes`);
+- register tables (``Config.lut`` 3-6, 2/3/4-bit palettize): a row's table as byte planes in registers, four codes
+  looked up by ``PRMT`` (inline PTX) with no memory access; codes in place or repacked once into nibbles
+  (:func:`nibble_codes`); fp32 FMAs, or fp16 pair FMAs in short chains where torch allows reduced-precision fp16
+  reductions (:func:`fp16_chains_allowed`);
 - ``Config.asm`` reads the tables and the strided 3-bit words through inline PTX (``ld.global.nc``): triton 3.6
   gives a plain gathered ``tl.load`` a register layout of its own and converts it back through shared memory;
 - the next tile's code words are requested before the current tile is decoded (a register double buffer);
@@ -34,8 +38,15 @@ from triton.runtime.interpreter import InterpretedFunction
 from .formats import Format
 
 #: lut modes: 0 the stored fp16 tables, 1 fp32 tables, 2 fp32 pair tables read as one 64-bit word (repacked once,
-#: :func:`kernel_tables`)
-LUT_FP16, LUT_FP32, LUT_PAIRS = 0, 1, 2
+#: :func:`kernel_tables`); 3 register tables (2/3/4-bit: a row's fp16 entries as two byte planes in four or eight 32-bit
+#: registers, looked up four codes at a time by ``PRMT``), the codes read in place; 4 the same on codes repacked once
+#: so that each code already fills a nibble (:func:`nibble_codes`: fewer instructions, a second copy of the codes);
+#: 5 and 6 the same two with fp16 pair FMAs in chains of 8 products (``fma.rn.f16x2``, half the instructions per
+#: weight; fp16 activations only, and only where torch allows reduced-precision fp16 reductions:
+#: :func:`fp16_chains_allowed`)
+LUT_FP16, LUT_FP32, LUT_PAIRS, LUT_REGS, LUT_REGS_NIBBLES, LUT_REGS_H2, LUT_REGS_NIBBLES_H2 = 0, 1, 2, 3, 4, 5, 6
+NIBBLE_MODES = (LUT_REGS_NIBBLES, LUT_REGS_NIBBLES_H2)
+H2_MODES = (LUT_REGS_H2, LUT_REGS_NIBBLES_H2)
 #: activation loads: 0 one load per value; 1 / 2 one 32-bit load per pair of fp16 / bf16 values, split in registers
 X_PLAIN, X_FP16_PAIRS, X_BF16_PAIRS = 0, 1, 2
 
@@ -108,9 +119,14 @@ def _word(ptr, ASM: tl.constexpr):
 
 @triton.jit
 def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, plane=0, PLANES: tl.constexpr = False):
     """The tile's code words ``(BN, NW)`` per word of a group (3 for 3-bit codes; the others repeat ``w0``). The
-    3-bit words are strided (3 per group), which triton 3.6 gives a layout of its own unless read through ``ASM``."""
+    stored 3-bit words are strided (3 per group), which triton 3.6 gives a layout of its own unless read through
+    ``ASM``; ``PLANES``: 3-bit nibble codes, word ``b`` of each group ``plane`` words after word 0 (contiguous)."""
+    if PLANES:
+        wp = qw_ptr + row_word[:, None] + (k0 // CPG + tl.arange(0, NW))[None, :]
+        return (tl.load(wp).to(tl.uint32, bitcast=True), tl.load(wp + plane).to(tl.uint32, bitcast=True),
+                tl.load(wp + 2 * plane).to(tl.uint32, bitcast=True))
     wp = qw_ptr + row_word[:, None] + ((k0 // CPG + tl.arange(0, NW)) * WPG)[None, :]
     if BITS == 3:
         w0 = _word(wp, ASM)
@@ -121,6 +137,139 @@ def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: 
         w1 = w0
         w2 = w0
     return w0, w1, w2
+
+
+@triton.jit
+def _octet(w0, w1, w2, O: tl.constexpr, BITS: tl.constexpr, NIBBLES: tl.constexpr):
+    """Codes ``8 O .. 8 O + 7`` of the group as ``PRMT`` selectors: code ``j`` in nibble ``j`` (bit 3 clear), uint32.
+
+    Stored codes (``BITS``-bit fields one after another) are spread in three steps (halves to 16-bit lanes, pairs to
+    bytes, singles to nibbles: a shift, an and and an or each); :func:`nibble_codes` codes need one mask (3-bit: the
+    fourth octet is gathered from the spare bit 3 of the three words' nibbles)."""
+    if BITS == 4:  # 4-bit codes are nibbles already (bit 3 included: :func:`_bytes16`)
+        s = w0
+    elif NIBBLES:
+        if BITS == 2:
+            s = (w0 >> (2 * O)) & 0x33333333
+        elif O < 3:
+            s = (w0 if O == 0 else (w1 if O == 1 else w2)) & 0x77777777
+        else:
+            s = ((w0 & 0x88888888) >> 3) | ((w1 & 0x88888888) >> 2) | ((w2 & 0x88888888) >> 1)
+    else:
+        OFF: tl.constexpr = 8 * BITS * O
+        sh: tl.constexpr = OFF % 32
+        wi: tl.constexpr = OFF // 32
+        f = (w0 if wi == 0 else (w1 if wi == 1 else w2)) >> sh
+        if sh + 8 * BITS > 32:  # the octet straddles two words (3-bit codes)
+            f = f | ((w1 if wi == 0 else w2) << (32 - sh))
+        M4: tl.constexpr = (1 << (4 * BITS)) - 1
+        M2: tl.constexpr = ((1 << (2 * BITS)) - 1) * 0x00010001
+        M1: tl.constexpr = ((1 << BITS) - 1) * 0x01010101
+        t = (f & M4) | ((f << (16 - 4 * BITS)) & (M4 << 16))
+        t = (t & M2) | ((t << (8 - 2 * BITS)) & (M2 << 8))
+        s = (t & M1) | ((t << (4 - BITS)) & (M1 << 4))
+    return s
+
+
+@triton.jit
+def _prmt(a, b, sel, ASM: tl.constexpr):
+    """PTX ``prmt.b32`` (default mode) on uint32: byte ``i`` of the result is byte ``sel[4i + 2 : 4i]`` of the eight
+    bytes ``b:a`` (the selectors here never set the sign-replicate bit ``4i + 3``). Interpreted: shifts and masks."""
+    if ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    out = sel & 0  # uint32 zeros of the broadcast shape
+    for i in tl.static_range(4):
+        n = (sel >> (4 * i)) & 7
+        out = out | (((tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 0xFF) << (8 * i))
+    return out
+
+
+@triton.jit
+def _bytes16(sel, a0, a1, a2, a3, ASM: tl.constexpr):
+    """Byte ``c`` of the 16-byte plane ``a3:a2:a1:a0`` for each of the four 4-bit codes ``c`` in ``sel``'s low
+    nibbles: ``PRMT`` on each 8-byte half with the codes' low 3 bits, then a third ``PRMT`` choosing per byte by bit 3
+    (selector nibble ``i + 4 * bit3``)."""
+    low = sel & 0x7777
+    half = ((sel >> 1) & 0x4444) | 0x3210
+    return _prmt(_prmt(a0, a1, low, ASM), _prmt(a2, a3, low, ASM), half, ASM)
+
+
+@triton.jit
+def _interleave(lo, hi, ASM: tl.constexpr):
+    """Four values' low bytes ``lo`` and high bytes ``hi`` -> two fp16 pairs (values 0, 1 and 2, 3; the first of each
+    in the low half), as int32: ``PRMT`` with selectors 0x5140 and 0x7362."""
+    if ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;", "=r,=r,r,r",
+                                         [lo, hi], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    p = (lo & 0xFF) | ((hi & 0xFF) << 8) | ((lo & 0xFF00) << 8) | ((hi & 0xFF00) << 16)
+    q = ((lo >> 16) & 0xFF) | (((hi >> 16) & 0xFF) << 8) | ((lo >> 24) << 16) | ((hi >> 24) << 24)
+    return p.to(tl.int32, bitcast=True), q.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _h2_split(u):
+    """The two fp16 halves of int32 ``u`` (low half first), as fp32."""
+    return (u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (u >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _halves(u, ASM: tl.constexpr):
+    """:func:`_h2_split` through PTX (``mov`` into two 16-bit registers, two ``cvt``: no shift for the high half)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 ha, hb; mov.b32 {ha, hb}, $2; cvt.f32.f16 $0, ha; cvt.f32.f16 $1, hb; }", "=r,=r,r", [u],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return _h2_split(u)
+
+
+@triton.jit
+def _fma2(acc, w, xu, ASM: tl.constexpr):
+    """``fma.rn.f16x2``: ``acc + w * xu`` on two fp16 lanes held in int32 (low half first), rounded to fp16 once.
+    Interpreted: each lane in fp32, then rounded (the product of two fp16 is exact in fp32)."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [w, xu, acc], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    a, b = _h2_split(acc)
+    wa, wb = _h2_split(w)
+    xa, xb = _h2_split(xu)
+    lo = (a + wa * xa).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (b + wb * xb).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo | hi
+
+
+@triton.jit
+def _regs_pairs(sel, l0, l1, l2, l3, h0, h1, h2, h3, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The four codes in ``sel``'s low nibbles looked up in a table held in registers as byte planes
+    (:func:`register_tables`: ``l*`` the entries' low bytes, ``h*`` their high bytes; 8 entries use ``l0, l1, h0,
+    h1``), as two fp16 pairs: 4 ``PRMT`` per four weights for 2/3-bit codes, 8 for 4-bit, no memory access. any4 and
+    FLUTE keep their tables in registers / shared memory for the same reason: an L1 look-up per weight made the
+    H100 kernel latency-bound."""
+    if BITS == 4:
+        lo = _bytes16(sel, l0, l1, l2, l3, ASM)
+        hi = _bytes16(sel, h0, h1, h2, h3, ASM)
+    else:
+        lo = _prmt(l0, l1, sel, ASM)
+        hi = _prmt(h0, h1, sel, ASM)
+    return _interleave(lo, hi, ASM)
+
+
+@triton.jit
+def _regs_table(lut_ptr, t, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The byte planes of tables ``t (BN, 1)`` (:func:`register_tables`): eight uint32 (for 2/3-bit codes the last
+    two of each plane are the first two again, unused)."""
+    if BITS == 4:
+        t8 = t * 8
+        return (_word(lut_ptr + t8, ASM), _word(lut_ptr + t8 + 1, ASM), _word(lut_ptr + t8 + 2, ASM),
+                _word(lut_ptr + t8 + 3, ASM), _word(lut_ptr + t8 + 4, ASM), _word(lut_ptr + t8 + 5, ASM),
+                _word(lut_ptr + t8 + 6, ASM), _word(lut_ptr + t8 + 7, ASM))
+    t4 = t * 4
+    l0 = _word(lut_ptr + t4, ASM)
+    l1 = _word(lut_ptr + t4 + 1, ASM)
+    h0 = _word(lut_ptr + t4 + 2, ASM)
+    h1 = _word(lut_ptr + t4 + 3, ASM)
+    return l0, l1, l0, l1, h0, h1, h0, h1
 
 
 @triton.jit
@@ -157,9 +306,12 @@ def _store_tile(y, out_ptr, bias_ptr, ms, rows, bias_rows, M, N, stride_om, stri
 def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks, zp_nbytes,
                  k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, DIRECT: tl.constexpr,
-                 XP: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 XP: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_TABLES: tl.constexpr = False):
     """Program ``(n, m, s)``: rows ``n*BLOCK_N..``, inputs ``m*BLOCK_M..``, columns ``[s*k_split, (s+1)*k_split)``.
-    ``stride_xm``: in elements of ``x_ptr`` (halved by the caller for the 32-bit pair view, ``XP > 0``)."""
+    ``stride_xm``: in elements of ``x_ptr`` (halved by the caller for the 32-bit pair view, ``XP > 0``).
+    ``ROW_TABLES``: one palettize table per row group for the whole row (``CBLOCK == K``): register tables are
+    loaded once, before the K loop."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -173,28 +325,63 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     acc = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM)
+    NIB: tl.constexpr = LUT == 4 or LUT == 6  # NIBBLE_MODES
+    H2: tl.constexpr = LUT >= 5  # H2_MODES: fp16 pair FMAs (the launch checks XP == 1, fp16 activation pairs)
+    PLANES: tl.constexpr = NIB and BITS == 3  # nibble codes: three contiguous planes per row
+    plane = tl.multiple_of(row_words // 3, 4) if PLANES else 0
+    if LUT >= 3 and ROW_TABLES:  # register tables of whole-row tables: the same for every tile
+        l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
+    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
-        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM)
+        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM,
+                                 plane, PLANES)
         cb = k0 // CBLOCK
         tbase = ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)  # table index (< 2**31): 32-bit offsets
         xoff = xrow[:, None] + ((k0 // CPG + tl.arange(0, NW)) * XSTEP)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
         sx = tl.zeros((BLOCK_M, NW), dtype=tl.float32)
-        for i in tl.static_range(CPG // 2):
-            xa, xb = _x_pair(x_ptr, xoff, i, XP)
-            if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code 2i in the low half)
-                idx = _bits_at(w0, w1, w2, 2 * BITS * i, 2 * BITS)
-                p = _lut_load(lut_ptr + ((tbase[:, None] << (2 * BITS)) + idx), ASM, True)
-                va = p.to(tl.int32).to(tl.float32, bitcast=True)
-                vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            else:
-                va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
-                vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
-            part += xa[:, None, :] * va[None, :, :] + xb[:, None, :] * vb[None, :, :]
-            if SCHEME == 1:
-                sx += xa + xb
+        if LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
+            if not ROW_TABLES:
+                l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
+            if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 after the tile (8 products each)
+                accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
+                accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
+            for o in tl.static_range(CPG // 8):
+                s = _octet(w0, w1, w2, o, BITS, NIB)
+                for h in tl.static_range(2):
+                    pp, pq = _regs_pairs(s >> (16 * h), l0, l1, l2, l3, h0, h1, h2, h3, BITS, ASM)
+                    if H2:  # the activation pairs as loaded (fp16x2), straight into the pair FMAs
+                        accp = _fma2(accp, pp[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h)[:, None, :], ASM)
+                        accq = _fma2(accq, pq[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h + 1)[:, None, :], ASM)
+                    else:
+                        v0, v1 = _halves(pp, ASM)
+                        v2, v3 = _halves(pq, ASM)
+                        xa, xb = _x_pair(x_ptr, xoff, 4 * o + 2 * h, XP)
+                        xc, xd = _x_pair(x_ptr, xoff, 4 * o + 2 * h + 1, XP)
+                        # one FFMA per weight (a sum of four products would add an FMUL and an FADD per four)
+                        part += xa[:, None, :] * v0[None, :, :]
+                        part += xb[:, None, :] * v1[None, :, :]
+                        part += xc[:, None, :] * v2[None, :, :]
+                        part += xd[:, None, :] * v3[None, :, :]
+            if H2:  # the four fp16 chains of the tile, to fp32
+                pa, pb = _h2_split(accp)
+                qa, qb = _h2_split(accq)
+                part += (pa + pb) + (qa + qb)
+        else:
+            for i in tl.static_range(CPG // 2):
+                xa, xb = _x_pair(x_ptr, xoff, i, XP)
+                if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code 2i in the low half)
+                    idx = _bits_at(w0, w1, w2, 2 * BITS * i, 2 * BITS)
+                    p = _lut_load(lut_ptr + ((tbase[:, None] << (2 * BITS)) + idx), ASM, True)
+                    va = p.to(tl.int32).to(tl.float32, bitcast=True)
+                    vb = (p >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                else:
+                    va = _value(_bits_at(w0, w1, w2, BITS * 2 * i, BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
+                    vb = _value(_bits_at(w0, w1, w2, BITS * (2 * i + 1), BITS), tbase, lut_ptr, SCHEME, BITS, ASM_LUT)
+                part += xa[:, None, :] * va[None, :, :] + xb[:, None, :] * vb[None, :, :]
+                if SCHEME == 1:
+                    sx += xa + xb
         if SCHEME == 0:
             acc += part
         else:  # s * (sum x c - z sum x), per word: the tile lies in one block
@@ -224,7 +411,26 @@ def table_modes(fmt: Format) -> tuple[int, ...]:
     look-ups, but a 4-bit pair table is 2 KB per 16 rows against 64 B of fp32 singles, so a warp's look-ups touch
     more L1 lines (on an H100, palettize-4 gained least from pairs: docs/kernels.md)."""
     mode = lut_mode(fmt)
-    return (mode, LUT_FP32) if mode == LUT_PAIRS else (mode,)
+    modes = (mode, LUT_FP32) if mode == LUT_PAIRS else (mode,)
+    return modes + register_modes(fmt)
+
+
+def register_modes(fmt: Format) -> tuple[int, ...]:
+    """The register-table layouts a layer can take: 2/3/4-bit palettize (8 or 16 fp16 entries as two byte planes, as
+    many bytes as the stored 3/4-bit table), codes in place or (2/3-bit) nibble codes, fp32 or fp16 pair FMAs."""
+    if fmt.scheme != 0 or fmt.bits not in (2, 3, 4):
+        return ()
+    if fmt.bits == 4:  # 4-bit codes are nibbles already: no nibble repack
+        return LUT_REGS, LUT_REGS_H2
+    return LUT_REGS, LUT_REGS_NIBBLES, LUT_REGS_H2, LUT_REGS_NIBBLES_H2
+
+
+def fp16_chains_allowed(x: torch.Tensor) -> bool:
+    """Whether the tuner may time :data:`H2_MODES` for ``x``: fp16 activations read as pairs, and torch's own switch
+    for reduced-precision fp16 reductions on (``torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction``,
+    on by default; set it off for fp32 accumulation everywhere). ``benchmarks/fp16_chains.py``: 4.4-4.8e-4 relative
+    error to float64 on a 64x14336 palettize-3 layer, twice the 1.9-2.5e-4 of fp32 accumulation into an fp16 output."""
+    return x_pairs(x) == X_FP16_PAIRS and torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
 
 
 def kernel_tables(fmt: Format, lut: torch.Tensor, mode: int | None = None) -> torch.Tensor:
@@ -234,12 +440,61 @@ def kernel_tables(fmt: Format, lut: torch.Tensor, mode: int | None = None) -> to
     mode = lut_mode(fmt) if mode is None else mode
     if mode == LUT_FP16:
         return lut
+    if mode >= LUT_REGS:
+        return register_tables(lut)
     table = lut.float()
     if mode == LUT_FP32:
         return table.contiguous()
     n = 1 << fmt.bits
     idx = torch.arange(n * n, device=lut.device)
     return torch.stack([table[:, idx % n], table[:, idx // n]], dim=-1).contiguous()
+
+
+def register_tables(lut: torch.Tensor) -> torch.Tensor:
+    """2/3/4-bit palettize tables ``lut (T, 2**bits)`` fp16 as the byte planes :func:`_regs_pairs` holds in
+    registers: int32 ``(T, E / 2)`` for ``E`` = 8 entries (2/3-bit; 2-bit tables padded with zeros) or 16 (4-bit): the
+    low bytes of entries 0-3, 4-7, ..., then their high bytes (little-endian). As many bytes as the stored table
+    (3/4-bit)."""
+    n = lut.shape[-1]
+    if n > 16:
+        raise ValueError(f"register tables hold at most 16 entries, got {n} (2/3/4-bit codes only)")
+    entries = 8 if n <= 8 else 16
+    padded = torch.zeros((lut.shape[0], entries), dtype=torch.float16, device=lut.device)
+    padded[:, :n] = lut
+    planes = padded.view(torch.uint8).view(-1, entries, 2)  # (T, entry, low/high byte)
+    return torch.cat([planes[:, :, 0], planes[:, :, 1]], dim=1).contiguous().view(torch.int32)
+
+
+def nibble_codes(fmt: Format, qw: torch.Tensor) -> torch.Tensor:
+    """The one-time repack of 2/3-bit codes (``qw``: the stored int32 words, ``(out_f, in_f * bits / 32)``) into the
+    layout :func:`_octet` reads with one mask per eight codes, the same size up to padding: 2-bit, per word of 16
+    codes, nibble ``i`` holds code ``i`` (bits 0-1) and code ``8 + i`` (bits 2-3); 3-bit, per group of 32 codes in
+    3 words, nibble ``i`` of word ``b`` holds code ``8 b + i`` in bits 0-2 and bit ``b`` of code ``24 + i`` in bit 3,
+    and a row stores word 0 of all its groups, then word 1, then word 2 (three planes, each padded to a multiple of 4
+    words), so that a tile's words are contiguous (coalesced, vector loads) where the stored 3-bit words are strided."""
+    if fmt.scheme != 0 or fmt.bits not in (2, 3):
+        raise ValueError(f"nibble codes are for 2/3-bit palettize, got scheme {fmt.scheme} {fmt.bits}-bit")
+    n, bits = fmt.out_f, fmt.bits
+    words = qw.reshape(n, -1, bits if bits == 3 else 1).to(torch.int64) & 0xFFFFFFFF  # (rows, groups, words)
+    out = torch.zeros_like(words)
+    for j in range(32 if bits == 3 else 16):  # code j of each group, shifts and masks per position (vectorised)
+        off = bits * j
+        c = words[..., off // 32] >> off % 32
+        if off % 32 + bits > 32:  # a 3-bit code across two words
+            c = c | words[..., off // 32 + 1] << (32 - off % 32)
+        c = c & ((1 << bits) - 1)
+        if bits == 2:
+            out[..., 0] |= c << (4 * j if j < 8 else 4 * (j - 8) + 2)
+        elif j < 24:
+            out[..., j // 8] |= c << 4 * (j % 8)
+        else:  # the fourth octet: bit b of the code in the spare bit 3 of word b's nibble
+            for b in range(3):
+                out[..., b] |= ((c >> b) & 1) << (4 * (j - 24) + 3)
+    if bits == 3:  # word b of every group together (plane b), each plane padded to 4 words: contiguous, 16-byte loads
+        groups = out.shape[1]
+        out = torch.nn.functional.pad(out.transpose(1, 2), (0, -groups % 4))  # (rows, 3, padded groups)
+    out = out.reshape(n, -1)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).contiguous()
 
 
 def interpreting() -> bool:
@@ -266,12 +521,17 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
     if mode == LUT_PAIRS:
         lut = lut.view(torch.int64)  # (T, 2**(2 bits)): both fp32 values of a pair in one 64-bit load
     xp = x_pairs(x)
+    if mode in H2_MODES and xp != X_FP16_PAIRS:
+        raise ValueError(f"lut mode {mode} (fp16 pair FMAs) needs fp16 activations whose rows start on 4-byte boundaries, "
+                         f"got {x.dtype} with row stride {x.stride(0)}; use LUT_REGS or LUT_REGS_NIBBLES")
     xv = x.view(torch.int32) if xp else x
     _gemv_kernel[grid](
-        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, k * fmt.bits // 32, k // fmt.cblock,
+        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k,
+        qw.shape[-1] if mode in NIBBLE_MODES else k * fmt.bits // 32, k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not interpreting(),
+        ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -259,7 +259,8 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     first = plain
     if asm:  # the asm variants first (the plain ones measured up to 2x slower on the H100), then the plain ones
         first = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes] + plain
-    modes = gemv.table_modes(fmt) if fmt.scheme == 0 else ()
+    regs = gemv.register_modes(fmt) if fmt.scheme == 0 else ()
+    modes = tuple(m for m in (gemv.table_modes(fmt) if fmt.scheme == 0 else ()) if m not in regs)
     lut = -1
     if fmt.bits == 4 and modes == (gemv.LUT_PAIRS, gemv.LUT_FP32):  # 4-bit: fp32 singles first (H100 sweep: every
         lut, modes = gemv.LUT_FP32, (gemv.LUT_FP32, gemv.LUT_PAIRS)  # tile ran 20-35% faster than with 2 KB pair tables)
@@ -267,6 +268,13 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     if len(modes) > 1:  # the other table layouts of the two first tiles, fourth and fifth
         other = [dataclasses.replace(c, lut=m) for m in modes[1:] for c in first[:2]]
         first = first[:3] + other + [c for c in first[3:]]
+    if regs:  # register tables (PRMT through inline PTX) of the two first tiles, from the second on: fewest
+        # instructions per weight and no table look-up in memory (compile_check --isa), never timed on a GPU yet;
+        # fp16 pair FMAs first (dropped by _tune where not allowed: gemv.fp16_chains_allowed), nibble codes before in place
+        order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
+        reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
+        at = 3 if fmt.bits == 4 else 1  # 4-bit: after the fp32-table tiles (16-entry look-ups: more PRMT per weight
+        first = first[:at] + reg + first[at:]  # and registers than the L1 tables, compile_check --isa; 2/3-bit: fewer)
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16)
             if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
@@ -274,6 +282,19 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
 
 _TUNED: dict[tuple, Config] = {}
+
+
+def nibble_codes_wanted(fmt: Format) -> bool:
+    """True when the tuner chose nibble codes (:func:`gemv.nibble_codes`) for ``fmt`` at some batch size: the layer
+    then keeps that second copy of its codes (``kernel_tensors``); otherwise it is made only while tuning."""
+    return any(k[0] == fmt and c.lut in gemv.NIBBLE_MODES and not c.use_dot for k, c in _TUNED.items())
+
+
+def code_words(qdata: torch.Tensor) -> torch.Tensor:
+    """The packed codes as int32 words (a copy when ``qdata`` is a view that does not start on a word)."""
+    if qdata.storage_offset() % 4 or not qdata.is_contiguous():  # a view into a larger buffer: words need alignment
+        qdata = qdata.contiguous().clone()
+    return qdata.view(torch.int32)
 #: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
 TUNE_LIMIT: int | None = None
 #: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
@@ -292,10 +313,7 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
     m, k = x.shape
     n = fmt.out_f
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    qdata = tensors["qdata"]
-    if qdata.storage_offset() % 4 or not qdata.is_contiguous():  # a view into a larger buffer: words need alignment
-        qdata = qdata.contiguous().clone()
-    qw = qdata.view(torch.int32)
+    qw = code_words(tensors["qdata"])
     dummy = qw
     lut = tensors.get("lut", dummy)
     scale = tensors.get("scale", dummy)
@@ -311,6 +329,9 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
             lut = tensors.get("lut_kernel" if cfg.lut < 0 else f"lut_kernel_{cfg.lut}")
             lut = gemv.kernel_tables(fmt, tensors["lut"], None if cfg.lut < 0 else cfg.lut) if lut is None else lut
         if not cfg.use_dot:
+            if cfg.lut in gemv.NIBBLE_MODES:  # the codes repacked once (gemv.nibble_codes), kept on the layer
+                nib = tensors.get("qdata_nibbles")
+                qw = gemv.nibble_codes(fmt, qw) if nib is None else nib
             gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
         else:
             mode = (gemv.lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else gemv.LUT_FP16
@@ -345,13 +366,18 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
     if key in _TUNED:
         return _TUNED[key]
-    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)[:TUNE_LIMIT]
+    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
+    if not gemv.fp16_chains_allowed(x):  # fp16 pair FMAs: fp16 activations, and torch's reduced-precision switch on
+        configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
+    configs = configs[:TUNE_LIMIT]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
     elif torch.cuda.is_current_stream_capturing():  # inside someone's graph capture nothing can be timed: not kept
         return configs[0]
     else:
         timings = {}
+        if any(c.lut in gemv.NIBBLE_MODES and not c.use_dot for c in configs) and "qdata_nibbles" not in tensors:
+            tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
         for cfg in configs:
             try:
