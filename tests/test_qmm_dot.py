@@ -31,13 +31,15 @@ def test_dot_decode_matches_float64(interp, scheme, bits, params):
     layer = _layer(scheme, bits, params)
     fmt = layer_format(layer)
     modes = (-1,) if scheme == "blockwise" else (-1, gemv.LUT_FP16, gemv.LUT_FP32) + ((gemv.LUT_PAIRS,) if bits < 8 else ())
+    if scheme == "palettize" and bits in (2, 3):  # register tables, codes in place and nibble codes (3-bit: 6 groups
+        modes += (gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES)  # per row, planes padded to 8 words)
     for i, batch in enumerate(BATCHES):
         dtype, tol = ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.5e-2))[i % 3]
         x = torch.randn(batch, 192, device=DEV).to(dtype)
         bm = 16 if batch <= 16 else min(64, 1 << (batch - 1).bit_length())
         for j, mode in enumerate(modes):
             bk = 32 if (i + j) % 2 or fmt.cblock % 64 else 64
-            cfg = interp.DotDecode(bm, 32, bk, 1 + (i + j) % 3, True, 4, 1, lut=mode)
+            cfg = interp.DotDecode(bm, 32, bk, 1 + (i + j) % 3, True, 4, 1, asm=mode >= gemv.LUT_REGS, lut=mode)
             y = kernels.fused_linear(layer, x, config=cfg)
             assert y.shape == (batch, fmt.out_f) and y.dtype == dtype
             assert rel_err(y, ref64(layer, x)) < tol, (scheme, bits, params, batch, mode, cfg)
@@ -49,8 +51,9 @@ def test_3bit_codes_decode_exactly_in_the_dot_kernel(interp):
     layer = make_layer("palettize", 3, 16, 64, bias=False)
     layer.lut.copy_(torch.arange(8, dtype=torch.float16).expand_as(layer.lut))
     codes = unpack(layer.qdata.cpu(), 3, 16 * 64).view(16, 64).float()
-    for lut in (-1, 2):
-        y = kernels.fused_linear(layer, torch.eye(64, device=DEV), config=interp.DotDecode(64, 16, 32, 2, True, lut=lut))
+    for lut in (-1, 2, 3, 4):  # 3, 4: register tables (fp16 values straight from the looked-up pairs' bits)
+        y = kernels.fused_linear(layer, torch.eye(64, device=DEV),
+                                 config=interp.DotDecode(64, 16, 32, 2, True, asm=lut >= 3, lut=lut))
         assert torch.equal(y.cpu(), codes.T), lut
 
 
@@ -64,6 +67,9 @@ def test_tuner_offers_the_dot_decode_kernel_first(interp, batch):
         configs = interp.candidate_configs(fmt, batch)
         kinds = [isinstance(c, interp.DotDecode) for c in configs]
         assert kinds[0] and not all(kinds)
+        # register tables on nibble codes (inline PTX): the second decode-and-dot candidate, among the first three
+        dots = [c for c in configs if isinstance(c, interp.DotDecode)]
+        assert dots[1].lut == 4 and dots[1].asm and dots[1] in configs[:3]
         for c in configs:
             assert fmt.cblock % c.block_k == 0 and c.use_dot and c.block_m >= 16
             assert fmt.in_f >= c.block_k * c.split_k or c.split_k == 1

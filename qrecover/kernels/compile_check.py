@@ -150,7 +150,8 @@ def dot_variants(level: str):
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_PAIRS),
                (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
-               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
+               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0), (0, 3, False, gemv.LUT_REGS),
+               (0, 3, False, gemv.LUT_REGS_NIBBLES), (0, 2, False, gemv.LUT_REGS), (0, 2, False, gemv.LUT_REGS_NIBBLES)]
     if level != "all":
         formats = [f for f in formats if f[:3] in ((0, 3, False), (0, 4, False), (1, 4, False), (1, 3, True))]
     tiles = [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1), (64, 128, 64, 8, 1)]
@@ -159,18 +160,18 @@ def dot_variants(level: str):
     for dt in dtypes:
         for scheme, bits, zp, lut in formats:
             # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
-            asms = (False, True) if scheme == 0 and lut and bits != 3 else (False,)
+            asms = (False, True) if scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS) else (False,)
             for (bm, bn, bk, warps, stages), asm in [(t, a) for t in tiles for a in asms]:
-                lut_t = ("*fp16", "*fp32", "*i64")[lut] if scheme == 0 else "*fp16"
+                lut_t = ("*fp16", "*fp32", "*i64", "*i32", "*i32")[lut] if scheme == 0 else "*fp16"
                 sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
                        "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, IEEE=dt == "fp32", ASM=asm,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=lut >= gemv.LUT_REGS)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
-                lut_name = ("", " fp32-lut", " pair-lut")[lut] if scheme == 0 else ""
+                lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles")[lut] if scheme == 0 else ""
                 yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const,
                        dict(num_warps=warps, num_stages=stages))
 

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import gemv, qmm_dot
+from . import dispatch, gemv, qmm_dot
 from .formats import Config, Format
 from .gemv import interpreting  # re-exported: qmatmul.interpreting() is the kernels' check
 from .qmm_dot import DotDecode
@@ -237,7 +237,13 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         s = _pow2_at_least(max(min(-(-2 * SMS // tiles), fmt.in_f // bk), 1))
         return s if s * bk <= fmt.in_f else s // 2
 
-    return [DotDecode(bm, bn, bk, fill(bn, bk), True, w, 1, asm=asm) for bn, bk, w in shapes]
+    out = [DotDecode(bm, bn, bk, fill(bn, bk), True, w, 1, asm=asm) for bn, bk, w in shapes]
+    if fmt.scheme == 0 and fmt.bits in (2, 3):  # register tables on nibble codes (gemv: PRMT, no table read from
+        # memory, fp16 values without a conversion) of the first tile, second: 3.2-4.7 thread instructions per weight
+        # against 6.3-8.1 (sm_90, triton 3.6); never timed on a GPU yet. On the stored codes they compile to a layout
+        # conversion through shared memory (9.5-12.5): not a candidate.
+        out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.LUT_REGS_NIBBLES))
+    return out
 
 
 def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
@@ -283,11 +289,16 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
 _TUNED: dict[tuple, Config] = {}
 
+#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
+TUNE_LIMIT: int | None = None
+#: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
+SMS = 132
+
 
 def nibble_codes_wanted(fmt: Format) -> bool:
     """True when the tuner chose nibble codes (:func:`gemv.nibble_codes`) for ``fmt`` at some batch size: the layer
     then keeps that second copy of its codes (``kernel_tensors``); otherwise it is made only while tuning."""
-    return any(k[0] == fmt and c.lut in gemv.NIBBLE_MODES and not c.use_dot for k, c in _TUNED.items())
+    return any(k[0] == fmt and c.lut in gemv.NIBBLE_MODES for k, c in _TUNED.items())
 
 
 def code_words(qdata: torch.Tensor) -> torch.Tensor:
@@ -295,10 +306,6 @@ def code_words(qdata: torch.Tensor) -> torch.Tensor:
     if qdata.storage_offset() % 4 or not qdata.is_contiguous():  # a view into a larger buffer: words need alignment
         qdata = qdata.contiguous().clone()
     return qdata.view(torch.int32)
-#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
-TUNE_LIMIT: int | None = None
-#: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
-SMS = 132
 
 
 def _bucket(m: int) -> int:
@@ -328,10 +335,10 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
         if fmt.scheme == 0:
             lut = tensors.get("lut_kernel" if cfg.lut < 0 else f"lut_kernel_{cfg.lut}")
             lut = gemv.kernel_tables(fmt, tensors["lut"], None if cfg.lut < 0 else cfg.lut) if lut is None else lut
+        if cfg.lut in gemv.NIBBLE_MODES:  # the codes repacked once (gemv.nibble_codes), kept on the layer
+            nib = tensors.get("qdata_nibbles")
+            qw = gemv.nibble_codes(fmt, qw) if nib is None else nib
         if not cfg.use_dot:
-            if cfg.lut in gemv.NIBBLE_MODES:  # the codes repacked once (gemv.nibble_codes), kept on the layer
-                nib = tensors.get("qdata_nibbles")
-                qw = gemv.nibble_codes(fmt, qw) if nib is None else nib
             gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
         else:
             mode = (gemv.lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else gemv.LUT_FP16
@@ -369,6 +376,8 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
     if not gemv.fp16_chains_allowed(x):  # fp16 pair FMAs: fp16 activations, and torch's reduced-precision switch on
         configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
+    if tensors["qdata"].nbytes > dispatch.DENSE_FREE_FRACTION * dispatch.free_memory(x.device):  # no room for a
+        configs = [c for c in configs if c.lut not in gemv.NIBBLE_MODES]  # second copy of the codes
     configs = configs[:TUNE_LIMIT]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
@@ -376,7 +385,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
         return configs[0]
     else:
         timings = {}
-        if any(c.lut in gemv.NIBBLE_MODES and not c.use_dot for c in configs) and "qdata_nibbles" not in tensors:
+        if any(c.lut in gemv.NIBBLE_MODES for c in configs) and "qdata_nibbles" not in tensors:
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
         for cfg in configs:

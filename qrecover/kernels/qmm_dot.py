@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _bits_at, _load_words, _lut_load, _scale_zero, _store_tile
+from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _store_tile
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,20 @@ class DotDecode(Config):
 
 
 @triton.jit
-def _leaf(w0, w1, w2, tab, P: tl.constexpr, SCHEME: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr,
+def _leaf(w0, w1, w2, tab, planes, P: tl.constexpr, SCHEME: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr,
           ASM: tl.constexpr):
-    """fp32 values of code positions ``P`` and ``P + 1`` of each word group, joined: ``(BN, NW, 2)``; ``tab (BN,)``:
-    each row's table (palettize)."""
-    if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code P in the low half)
+    """Values of code positions ``P`` and ``P + 1`` of each word group, joined: ``(BN, NW, 2)``, fp32 (fp16 from
+    register tables: the looked-up pair split by its bits, no conversion); ``tab (BN,)``: each row's table
+    (palettize); ``planes``: its register-table byte planes (``LUT`` 3/4, :func:`.gemv._regs_pairs`; the quad's
+    look-up is shared by its two leaves: pure inline asm, merged by the compiler)."""
+    if LUT >= 3:
+        s = _octet(w0, w1, w2, P // 8, BITS, LUT == 4) >> (16 * ((P // 4) % 2))
+        pp, pq = _regs_pairs(s, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5], planes[6], planes[7],
+                             BITS, ASM)
+        pair = pp if P % 4 == 0 else pq
+        va = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        vb = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    elif LUT == 2:  # one 64-bit load: the fp32 values of both codes (code P in the low half)
         idx = _bits_at(w0, w1, w2, BITS * P, 2 * BITS)
         p = _lut_load(tab[:, None] + idx, ASM, True)
         va = p.to(tl.int32).to(tl.float32, bitcast=True)
@@ -58,15 +67,15 @@ def _leaf(w0, w1, w2, tab, P: tl.constexpr, SCHEME: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
-def _span(w0, w1, w2, tab, P: tl.constexpr, COUNT: tl.constexpr, SCHEME: tl.constexpr,
+def _span(w0, w1, w2, tab, planes, P: tl.constexpr, COUNT: tl.constexpr, SCHEME: tl.constexpr,
           BITS: tl.constexpr, LUT: tl.constexpr, ASM: tl.constexpr):
     """Values of code positions ``P .. P + COUNT`` of each word group, ``(BN, NW, COUNT)`` in position order (the
     halves joined, then the new axis moved in front of the half's positions: in-thread, no data movement)."""
     if COUNT == 2:
-        return _leaf(w0, w1, w2, tab, P, SCHEME, BITS, LUT, ASM)
+        return _leaf(w0, w1, w2, tab, planes, P, SCHEME, BITS, LUT, ASM)
     else:
-        a = _span(w0, w1, w2, tab, P, COUNT // 2, SCHEME, BITS, LUT, ASM)
-        b = _span(w0, w1, w2, tab, P + COUNT // 2, COUNT // 2, SCHEME, BITS, LUT, ASM)
+        a = _span(w0, w1, w2, tab, planes, P, COUNT // 2, SCHEME, BITS, LUT, ASM)
+        b = _span(w0, w1, w2, tab, planes, P + COUNT // 2, COUNT // 2, SCHEME, BITS, LUT, ASM)
         j = tl.permute(tl.join(a, b), (0, 1, 3, 2))
         return tl.reshape(j, (j.shape[0], j.shape[1], COUNT))
 
@@ -76,9 +85,12 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
                        zp_nbytes, k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr,
                        GROUP: tl.constexpr, CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        LUT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROW_TABLES: tl.constexpr = False):
     """Program ``(n, m, s)``: output tile ``(BLOCK_M, BLOCK_N)`` over input columns ``[s*k_split, (s+1)*k_split)``;
-    ``DIRECT``: ``acc + bias`` in the output dtype, else fp32 partial sums to ``out_ptr[s]`` (split-K)."""
+    ``DIRECT``: ``acc + bias`` in the output dtype, else fp32 partial sums to ``out_ptr[s]`` (split-K).
+    ``LUT`` 3/4: register tables on stored / nibble codes (:mod:`.gemv`); ``ROW_TABLES``: whole-row tables, loaded
+    once."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -90,13 +102,23 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM)
+    PLANES: tl.constexpr = LUT == 4 and BITS == 3  # nibble codes: three contiguous planes per row (gemv.nibble_codes)
+    plane = tl.multiple_of(row_words // 3, 4) if PLANES else 0
+    planes = (0, 0, 0, 0, 0, 0, 0, 0)
+    if LUT >= 3 and ROW_TABLES:
+        planes = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
+    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
-        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM)
+        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM,
+                                 plane, PLANES)
         cb = k0 // CBLOCK
         tab = lut_ptr + ((rows64 // GROUP) * n_cblocks + cb) * (1 << (2 * BITS if LUT == 2 else BITS))  # row tables
-        w = tl.reshape(_span(w0, w1, w2, tab, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
+        if LUT >= 3 and not ROW_TABLES:  # this tile's column block's tables
+            tp = _regs_table(lut_ptr, ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)[:, None], BITS, ASM)
+        else:
+            tp = planes
+        w = tl.reshape(_span(w0, w1, w2, tab, tp, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
         if SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
             scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
@@ -120,10 +142,11 @@ def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[i
     ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view)."""
     m, k = x.shape
     _dot_decode_kernel[grid](
-        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k, k * fmt.bits // 32,
+        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k,
+        qw.shape[-1] if mode == 4 else k * fmt.bits // 32,  # nibble codes (gemv.NIBBLE_MODES): their padded rows
         k // fmt.cblock, zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), fmt.out_f, m * fmt.out_f,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, IEEE=ieee, ASM=cfg.asm and not interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
