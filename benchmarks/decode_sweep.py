@@ -56,9 +56,15 @@ def variants(fmt, gemv) -> list:
                     if lut in gemv.register_modes(fmt) and not asm:  # compiled without PTX: the interpreter's stand-in
                         continue
                     out.append(Config(1, bn, bk, 1, False, warps, 2, asm, lut))
-    # the likeliest first: 4 warps, asm, the default table layout or register tables (never timed before); then the rest
-    first = (-1, modes[0], *gemv.register_modes(fmt))
-    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm and asm_ok, c.lut not in first))
+    # 4 warps and asm first; on the first three tiles every register-table mode (never timed before: nibble codes and
+    # fp16 pair FMAs first) and the default table layout (the 2026-11-27 sweep's best), then the other tiles, then the rest
+    order = [m for m in (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
+             if m in gemv.register_modes(fmt)] + [-1, modes[0]]
+
+    def rank(c):
+        return order.index(c.lut) if c.lut in order else len(order)
+    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm and asm_ok, rank(c) == len(order),
+                                      TILES.index((c.block_n, c.block_k)) >= 3, rank(c)))
 
 
 def sweep(name: str, out_f: int, in_f: int, budget_s: float, t_end: float) -> dict:
