@@ -111,6 +111,13 @@ def qmm_variants(level: str):
         yield label, sig, const, dict(num_warps=warps, num_stages=stages)
 
 
+def _lut_type(scheme: int, lut: int) -> str:
+    """The pointer type of a decode kernel's tables in layout ``lut`` (``gemv.LUT_*``; blockwise: its fp16 scales)."""
+    if scheme != 0:
+        return "*fp16"
+    return ("*fp16", "*fp32", "*i64")[lut] if lut < gemv.LUT_REGS else "*i32"  # register tables: int32 byte planes
+
+
 def gemv_variants(level: str):
     """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
@@ -130,7 +137,7 @@ def gemv_variants(level: str):
             asms = (False, True) if (scheme == 0 and lut) or bits == 3 else (False,)  # inline-PTX loads (tables, 3-bit words)
             for (bm, bn, bk, warps), asm in [(t, a) for t in tiles for a in asms]:
                 xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
-                lut_t = ("*fp16", "*fp32", "*i64", "*i32", "*i32", "*i32", "*i32")[lut] if scheme == 0 else "*fp16"
+                lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": "*i32" if xp else f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16",
                        "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
@@ -162,7 +169,7 @@ def dot_variants(level: str):
             # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
             asms = (False, True) if scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS) else (False,)
             for (bm, bn, bk, warps, stages), asm in [(t, a) for t in tiles for a in asms]:
-                lut_t = ("*fp16", "*fp32", "*i64", "*i32", "*i32")[lut] if scheme == 0 else "*fp16"
+                lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
                        "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--match", default="", help="only the dequant-matmul variants whose label contains this text "
                     "(e.g. 'palettize-3 fp16 decode')")
     ap.add_argument("--aligned", action="store_true", help="compile as the launcher specializes at run time: aligned "
-                    "pointers, shape integers divisible by 16, M = 1 at batch 1 (allows vector loads)")
+                    "pointers, shape integers divisible by 16, M = 1 at batch 1")
     args = ap.parse_args(argv)
     global ALIGNED
     ALIGNED = args.aligned

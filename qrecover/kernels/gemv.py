@@ -41,7 +41,7 @@ from .formats import Format
 #: :func:`kernel_tables`); 3 register tables (2/3/4-bit: a row's fp16 entries as two byte planes in four or eight 32-bit
 #: registers, looked up four codes at a time by ``PRMT``), the codes read in place; 4 the same on codes repacked once
 #: so that each code already fills a nibble (:func:`nibble_codes`: fewer instructions, a second copy of the codes);
-#: 5 and 6 the same two with fp16 pair FMAs in chains of 8 products (``fma.rn.f16x2``, half the instructions per
+#: 5 and 6 the same two with fp16 pair FMAs in chains of at most 8 products (``fma.rn.f16x2``, half the instructions per
 #: weight; fp16 activations only, and only where torch allows reduced-precision fp16 reductions:
 #: :func:`fp16_chains_allowed`)
 LUT_FP16, LUT_FP32, LUT_PAIRS, LUT_REGS, LUT_REGS_NIBBLES, LUT_REGS_H2, LUT_REGS_NIBBLES_H2 = 0, 1, 2, 3, 4, 5, 6
@@ -344,7 +344,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
         if LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
             if not ROW_TABLES:
                 l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
-            if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 after the tile (8 products each)
+            if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 after the tile (<= 8 products each)
                 accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
                 accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
             for o in tl.static_range(CPG // 8):
@@ -471,7 +471,7 @@ def nibble_codes(fmt: Format, qw: torch.Tensor) -> torch.Tensor:
     codes, nibble ``i`` holds code ``i`` (bits 0-1) and code ``8 + i`` (bits 2-3); 3-bit, per group of 32 codes in
     3 words, nibble ``i`` of word ``b`` holds code ``8 b + i`` in bits 0-2 and bit ``b`` of code ``24 + i`` in bit 3,
     and a row stores word 0 of all its groups, then word 1, then word 2 (three planes, each padded to a multiple of 4
-    words), so that a tile's words are contiguous (coalesced, vector loads) where the stored 3-bit words are strided."""
+    words), so that a tile's words of each plane are contiguous where the stored 3-bit words are strided."""
     if fmt.scheme != 0 or fmt.bits not in (2, 3):
         raise ValueError(f"nibble codes are for 2/3-bit palettize, got scheme {fmt.scheme} {fmt.bits}-bit")
     n, bits = fmt.out_f, fmt.bits
@@ -495,6 +495,11 @@ def nibble_codes(fmt: Format, qw: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.pad(out.transpose(1, 2), (0, -groups % 4))  # (rows, 3, padded groups)
     out = out.reshape(n, -1)
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).contiguous()
+
+
+def row_words(fmt: Format, qw: torch.Tensor, mode: int) -> int:
+    """The int32 words per row of the codes the kernels read: :func:`nibble_codes` rows are padded (3-bit planes)."""
+    return qw.shape[-1] if mode in NIBBLE_MODES else fmt.in_f * fmt.bits // 32
 
 
 def interpreting() -> bool:
@@ -526,8 +531,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
                          f"got {x.dtype} with row stride {x.stride(0)}; use LUT_REGS or LUT_REGS_NIBBLES")
     xv = x.view(torch.int32) if xp else x
     _gemv_kernel[grid](
-        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k,
-        qw.shape[-1] if mode in NIBBLE_MODES else k * fmt.bits // 32, k // fmt.cblock,
+        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, row_words(fmt, qw, mode), k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not interpreting(),

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _store_tile
+from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _store_tile, row_words
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[i
     ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view)."""
     m, k = x.shape
     _dot_decode_kernel[grid](
-        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k,
-        qw.shape[-1] if mode == 4 else k * fmt.bits // 32,  # nibble codes (gemv.NIBBLE_MODES): their padded rows
+        x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k, row_words(fmt, qw, mode),
         k // fmt.cblock, zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), fmt.out_f, m * fmt.out_f,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, IEEE=ieee, ASM=cfg.asm and not interpreting(),
