@@ -43,7 +43,6 @@ def variants(fmt, gemv) -> list:
     from qrecover.kernels.formats import Config
 
     modes = gemv.table_modes(fmt) if fmt.scheme == 0 else (-1,)
-    asm_ok = (fmt.scheme == 0 and gemv.lut_mode(fmt) != gemv.LUT_FP16) or fmt.bits == 3
     out = []
     for bn, bk in TILES:
         if fmt.cblock % bk:
@@ -51,7 +50,7 @@ def variants(fmt, gemv) -> list:
         for warps in (4, 8, 2):
             if bn * bk // (32 * warps) < 16 and warps > 2:  # fewer than 16 weights per thread: warps idle
                 continue
-            for asm in ((True, False) if asm_ok else (False,)):
+            for asm in (True, False):  # inline PTX reads code words of every width (and fp32/pair tables)
                 for lut in modes:
                     if lut in gemv.register_modes(fmt) and not asm:  # compiled without PTX: the interpreter's stand-in
                         continue
@@ -63,7 +62,7 @@ def variants(fmt, gemv) -> list:
 
     def rank(c):
         return order.index(c.lut) if c.lut in order else len(order)
-    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm and asm_ok, rank(c) == len(order),
+    return sorted(out, key=lambda c: (c.num_warps != 4, not c.asm, rank(c) == len(order),
                                       TILES.index((c.block_n, c.block_k)) >= 3, rank(c)))
 
 

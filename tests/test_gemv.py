@@ -110,10 +110,24 @@ def test_the_tuner_may_pick_another_table_layout(interp):
 
     configs = candidate_configs(fmt, 1)
     # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), then the register tables
-    # (never timed yet) of the two first tiles; pairs among the first ten
-    assert [c.lut for c in configs[:3]] == [gemv.LUT_FP32] * 3
-    assert [c.lut for c in configs[3:7]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
+    # (never timed yet; fewer instructions per weight since the fp16 chains span four tiles) of the two first tiles;
+    # pairs among the first ten
+    assert configs[0].lut == gemv.LUT_FP32 and configs[0].asm
+    assert [c.lut for c in configs[1:5]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
+    assert [(c.block_n, c.block_k) for c in configs[1:5:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
+    assert [c.lut for c in configs[5:7]] == [gemv.LUT_FP32] * 2
     assert gemv.LUT_PAIRS in {c.lut for c in configs[:10]}
+
+
+def test_blockwise_decode_candidates_pair_each_tile_with_its_inline_ptx_variant():
+    """Blockwise 4-bit at batch 1: each tile's inline-PTX variant (code words read through PTX, no layout conversion
+    per tile) is timed just before the plain variant the H100 measured, so ``--quick`` times both kinds."""
+    from qrecover.kernels.qmatmul import candidate_configs
+
+    fmt = layer_format(make_layer("blockwise", 4, 64, 4096, block_size=64))
+    configs = candidate_configs(fmt, 1)
+    assert [c.asm for c in configs[:4]] == [True, False, True, False]
+    assert configs[0].block_n == configs[1].block_n == 128 and configs[0].block_k == configs[1].block_k == 64
 
 
 _PTX_LOADS = """
@@ -158,12 +172,14 @@ _SHAPES4 = [(4, None, 256), (4, 64, 256)]  # 4-bit: 16-entry tables, no nibble r
 
 @pytest.mark.parametrize("mode,bits,block,in_f", [(m, *c) for m in (gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES) for c in _SHAPES]
                          + [(m, *c) for m in (gemv.LUT_REGS_H2, gemv.LUT_REGS_NIBBLES_H2) for c in _SHAPES[2:]]
-                         + [(m, *c) for m in (gemv.LUT_REGS, gemv.LUT_REGS_H2) for c in _SHAPES4])
+                         + [(m, *c) for m in (gemv.LUT_REGS, gemv.LUT_REGS_H2) for c in _SHAPES4]
+                         + [(gemv.LUT_REGS_NIBBLES_H2, 2, None, 160), (gemv.LUT_REGS_H2, 4, None, 384)])
 def test_register_tables_in_the_decode_kernel(interp, mode, bits, block, in_f):
     """Register tables (byte planes looked up four codes at a time), on the stored codes and on nibble codes (160
     inputs: 5 groups of 32 codes, planes padded to 8 words), with fp32 or fp16 pair FMAs, against float64; the
     interpreter runs the kernel's plain-op stand-ins for ``PRMT`` and ``fma.rn.f16x2`` (compiled: inline PTX). The
-    fp16 pair FMAs take fp16 activations only, and say so otherwise."""
+    fp16 pair FMAs take fp16 activations only, and say so otherwise. 2/4-bit fp16 chains span 2/4 tiles: 160 and 384
+    inputs end a program's tiles in the middle of a chain (split-K 2: 3 + 2 tiles of 2-bit codes, 6 + 6 of 4-bit)."""
     layer = make_layer("palettize", bits, 48, in_f, block_size=block)
     cases = ((1, torch.float32, 1e-5), (3, torch.float32, 1e-5), (2, torch.float16, 2e-3), (1, torch.bfloat16, 1e-2),
              (4, torch.float16, 2e-3))
@@ -297,17 +313,22 @@ def test_register_lookup_ptx_selects_each_entry(entries):
     def prmt(a, b, c):
         return _ptx(gemv._prmt, a, b, c)[0]
 
-    def plane_bytes(sel, words):  # _regs_pairs: one prmt for 8 entries, three (_bytes16) for 16
+    def plane_bytes(sel, half, words):  # _regs_pairs: one prmt for 8 entries, three (_bytes16) for 16
         if len(words) == 2:
             return prmt(*words, sel)
-        low, half = sel & 0x7777, ((sel >> 1) & 0x4444) | 0x3210
-        return prmt(prmt(words[0], words[1], low), prmt(words[2], words[3], low), half)
+        return prmt(prmt(words[0], words[1], sel), prmt(words[2], words[3], sel), half)
 
-    for codes in [(0, 1, 2, 3), (7, 6, 5, 4), (3, 3, 0, 7), (5, 2, 7, 1)] + ([(15, 8, 12, 9), (0, 15, 7, 8)] if entries == 16 else []):
-        # the selector's high half holds the next four codes: prmt must ignore it
-        sel = sum(c << 4 * i for i, c in enumerate(codes)) | 0x7777 << 16
+    quads = [(0, 1, 2, 3), (7, 6, 5, 4), (3, 3, 0, 7), (5, 2, 7, 1)] + ([(15, 8, 12, 9), (0, 15, 7, 8)] if entries == 16 else [])
+    for n, (codes, h) in enumerate((c, h) for c in quads for h in (0, 1)):
+        # eight codes in one word, the selectors made once per word as _selectors makes them (4-bit: the low 3 bits,
+        # and the choice of half), and shifted by 16 for the second four: prmt must ignore the high half
+        other = quads[(n // 2 + 1) % len(quads)]
+        word = sum(c << 4 * i for i, c in enumerate(codes if h == 0 else other)) | sum(
+            c << 4 * i + 16 for i, c in enumerate(other if h == 0 else codes))
+        sel, half_sel = (word & 0x77777777, ((word >> 1) & 0x44444444) | 0x32103210) if entries == 16 else (word, word)
+        sel, half_sel = sel >> 16 * h, half_sel >> 16 * h
         half = entries // 4
-        lo, hi = plane_bytes(sel, planes[:half]), plane_bytes(sel, planes[half:])
+        lo, hi = plane_bytes(sel, half_sel, planes[:half]), plane_bytes(sel, half_sel, planes[half:])
         p, q = _ptx(gemv._interleave, lo, hi, outs=2)
         got = _ptx(gemv._halves, p, outs=2) + _ptx(gemv._halves, q, outs=2)
         assert got == [table[c] for c in codes], codes

@@ -52,6 +52,30 @@ def test_ptx_loop_and_kinds():
     assert (c["global load"], c["integer"], c["float"], c["other"]) == (1, 3, 1, 1)
 
 
+SASS_FLUSH = """
+.L_x_2:
+        /*0000*/                   LDG.E R4, desc[UR4][R8.64] ;
+        /*0010*/                   PRMT R5, R4, 0x5140, R6 ;
+        /*0020*/                   HFMA2 R0, R5, R7, R0 ;
+        /*0030*/               @P0 BRA P1, `(.L_x_3) ;
+        /*0040*/                   HADD2.F32 R10, -RZ, R0.H0_H0 ;
+        /*0050*/                   FADD R11, R11, R10 ;
+.L_x_3:
+        /*0060*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0070*/              @!P2 BRA `(.L_x_2) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_loop_parts_set_apart_a_block_the_loop_can_skip():
+    """A flush every few tiles: the block a forward branch inside the loop skips is returned apart, so that
+    compile_check weights it by how often it runs; loop_body still returns the whole loop."""
+    always, skipped = isa.loop_parts(SASS_FLUSH)
+    assert always == ["LDG", "PRMT", "HFMA2", "BRA", "IADD3", "BRA"] and skipped == ["HADD2", "FADD"]
+    assert sorted(isa.loop_body(SASS_FLUSH)) == sorted(always + skipped)
+    assert isa.loop_parts(SASS) == (isa.loop_body(SASS), [])  # no forward branch: nothing skipped
+
+
 def test_no_loop_is_an_error():
     with pytest.raises(ValueError, match="no loop"):
         isa.loop_body("        /*0000*/   EXIT ;\n")

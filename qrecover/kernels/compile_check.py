@@ -71,13 +71,26 @@ def sass(kernel) -> str | None:
         return subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
 
 
-def isa_row(kernel, num_warps: int, weights_per_iter: int) -> dict:
-    """Thread instructions per decoded weight by kind (main loop, SASS or else PTX), and the loop's length."""
+def isa_row(kernel, num_warps: int, weights_per_iter: int, every: int = 1) -> dict:
+    """Thread instructions per decoded weight by kind (main loop, SASS or else PTX), and the loop's length. ``every``:
+    the blocks a forward branch inside the loop skips run once per ``every`` iterations (the decode kernel's flush of
+    its fp16 chains, :func:`chain_tiles`)."""
     text = sass(kernel)
     ptx = text is None
-    body = isa.loop_body(kernel.asm["ptx"] if ptx else text, ptx=ptx)
-    row = isa.per_weight(isa.categorise(body, ptx), num_warps, weights_per_iter)
-    return dict(row, loop=len(body), source="ptx" if ptx else "sass")
+    always, skipped = isa.loop_parts(kernel.asm["ptx"] if ptx else text, ptx=ptx)
+    counts = isa.categorise(always, ptx)
+    for k, v in isa.categorise(skipped, ptx).items():
+        counts[k] += v / every
+    row = isa.per_weight(counts, num_warps, weights_per_iter)
+    return dict(row, loop=len(always) + len(skipped), source="ptx" if ptx else "sass")
+
+
+def chain_tiles(const: dict) -> int:
+    """Tiles per fp16 chain of a decode-kernel variant (``gemv``'s ``CHAIN_TILES``: 1 unless fp16 pair FMAs on 2/4-bit
+    codes), i.e. how often its flush block runs."""
+    if const.get("LUT", 0) not in gemv.H2_MODES:
+        return 1
+    return 32 // (32 if const["BITS"] == 3 else 32 // const["BITS"])
 
 
 def resources(kernel) -> dict[str, int]:
@@ -118,8 +131,9 @@ def _lut_type(scheme: int, lut: int) -> str:
     return ("*fp16", "*fp32", "*i64")[lut] if lut < gemv.LUT_REGS else "*i32"  # register tables: int32 byte planes
 
 
-def gemv_variants(level: str):
-    """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode."""
+def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = None):
+    """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode;
+    ``tiles``: ``(block_m, block_n, block_k, warps)`` in place of the two default tiles."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32),
                (0, 3, False, gemv.LUT_FP16),
@@ -129,12 +143,12 @@ def gemv_variants(level: str):
     formats += [(0, bits, False, mode) for bits in (3, 4, 2) for mode in gemv.register_modes(gemv.Format(0, bits, 16, 32, 16, 32, False))]
     if level != "all":
         formats = [f for f in formats if f[:2] in ((0, 3), (0, 4), (1, 4)) or f[2]]
-    tiles = [(1, 64, 128, 4), (1, 128, 256, 4)] if level != "smoke" else [(1, 64, 128, 4)]
+    tiles = tiles or ([(1, 64, 128, 4), (1, 128, 256, 4)] if level != "smoke" else [(1, 64, 128, 4)])
     for dt in dtypes:
         for scheme, bits, zp, lut in formats[:1] if level == "smoke" else formats:
             if lut in gemv.H2_MODES and dt != "fp16":  # fp16 pair FMAs take fp16 activations only
                 continue
-            asms = (False, True) if (scheme == 0 and lut) or bits == 3 else (False,)  # inline-PTX loads (tables, 3-bit words)
+            asms = (False, True) if (scheme == 0 and lut) or bits in (3, 4) else (False,)  # inline-PTX loads (tables, words)
             for (bm, bn, bk, warps), asm in [(t, a) for t in tiles for a in asms]:
                 xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
                 lut_t = _lut_type(scheme, lut)
@@ -194,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(e.g. 'palettize-3 fp16 decode')")
     ap.add_argument("--aligned", action="store_true", help="compile as the launcher specializes at run time: aligned "
                     "pointers, shape integers divisible by 16, M = 1 at batch 1")
+    ap.add_argument("--tiles", default="", help="decode-kernel tiles in place of the defaults, MxNxKwWARPS joined by "
+                    "commas (e.g. '1x16x512w2,1x32x256w4')")
     args = ap.parse_args(argv)
+    tiles = [tuple(int(v) for v in re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)", t).groups())
+             for t in args.tiles.split(",") if t] or None
     global ALIGNED
     ALIGNED = args.aligned
     if qmatmul.interpreting():
@@ -210,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
     level = "all" if args.all else "smoke" if args.smoke else "default"
-    variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level)]
+    variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level, tiles)]
                 + [(qmm_dot._dot_decode_kernel, *v) for v in dot_variants(level)])
     for fn, label, sig, const, opts in [v for v in variants if args.match in v[1]]:
         kernel = _compile(fn, sig, const, target, **opts)
         r = resources(kernel)
         if args.isa:
-            row = isa_row(kernel, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
+            row = isa_row(kernel, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"], chain_tiles(const))
             occ = isa.occupancy_sm90(r.get("REG", 0), kernel.metadata.shared, opts["num_warps"])
             print(f"| {label} | {r.get('REG')} | {r.get('STACK')} | {occ:.0%} | {row['loop']} | "
                   + " | ".join(f"{row[k]:.2f}" for k in kinds) + f" | **{row['total']:.2f}** | "

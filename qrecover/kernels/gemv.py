@@ -119,10 +119,13 @@ def _word(ptr, ASM: tl.constexpr):
 
 @triton.jit
 def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr,
-                ASM: tl.constexpr, plane=0, PLANES: tl.constexpr = False):
+                ASM: tl.constexpr, plane=0, PLANES: tl.constexpr = False, ASM_WORDS: tl.constexpr = False):
     """The tile's code words ``(BN, NW)`` per word of a group (3 for 3-bit codes; the others repeat ``w0``). The
     stored 3-bit words are strided (3 per group), which triton 3.6 gives a layout of its own unless read through
-    ``ASM``; ``PLANES``: 3-bit nibble codes, word ``b`` of each group ``plane`` words after word 0 (contiguous)."""
+    ``ASM``; ``PLANES``: 3-bit nibble codes, word ``b`` of each group ``plane`` words after word 0 (contiguous).
+    ``ASM_WORDS``: every code width through ``ASM`` (the decode kernel: a vectorised plain load of contiguous words
+    takes a layout other than its accumulator's, converted back through shared memory every tile when compiled as
+    the launcher specializes, aligned; not the decode-and-dot kernel, whose tiles it makes slower)."""
     if PLANES:
         wp = qw_ptr + row_word[:, None] + (k0 // CPG + tl.arange(0, NW))[None, :]
         return (tl.load(wp).to(tl.uint32, bitcast=True), tl.load(wp + plane).to(tl.uint32, bitcast=True),
@@ -133,7 +136,7 @@ def _load_words(qw_ptr, row_word, k0, CPG: tl.constexpr, WPG: tl.constexpr, NW: 
         w1 = _word(wp + 1, ASM)
         w2 = _word(wp + 2, ASM)
     else:
-        w0 = tl.load(wp).to(tl.uint32, bitcast=True)
+        w0 = _word(wp, ASM and ASM_WORDS)
         w1 = w0
         w2 = w0
     return w0, w1, w2
@@ -186,12 +189,21 @@ def _prmt(a, b, sel, ASM: tl.constexpr):
 
 
 @triton.jit
-def _bytes16(sel, a0, a1, a2, a3, ASM: tl.constexpr):
-    """Byte ``c`` of the 16-byte plane ``a3:a2:a1:a0`` for each of the four 4-bit codes ``c`` in ``sel``'s low
-    nibbles: ``PRMT`` on each 8-byte half with the codes' low 3 bits, then a third ``PRMT`` choosing per byte by bit 3
-    (selector nibble ``i + 4 * bit3``)."""
-    low = sel & 0x7777
-    half = ((sel >> 1) & 0x4444) | 0x3210
+def _selectors(s, BITS: tl.constexpr):
+    """The ``PRMT`` selectors of the eight codes in ``s``'s nibbles (:func:`_octet`), made once per word: for 4-bit
+    codes, their low 3 bits (the look-up in each 8-entry half) and the per-byte choice of half (nibble ``i + 4 *
+    bit3``, the pattern of both 16-bit halves); 2/3-bit codes are selectors as they are (the second is unused).
+    ``prmt`` reads a selector's low 16 bits, so the second four codes take the same selectors shifted by 16."""
+    if BITS == 4:
+        return s & 0x77777777, ((s >> 1) & 0x44444444) | 0x32103210
+    return s, s
+
+
+@triton.jit
+def _bytes16(low, half, a0, a1, a2, a3, ASM: tl.constexpr):
+    """Byte ``c`` of the 16-byte plane ``a3:a2:a1:a0`` for each of the four 4-bit codes ``c`` (:func:`_selectors`:
+    ``low`` their low 3 bits, ``half`` nibble ``i + 4 * bit3``): ``PRMT`` on each 8-byte half with the low bits, then a
+    third ``PRMT`` choosing per byte by bit 3."""
     return _prmt(_prmt(a0, a1, low, ASM), _prmt(a2, a3, low, ASM), half, ASM)
 
 
@@ -240,15 +252,16 @@ def _fma2(acc, w, xu, ASM: tl.constexpr):
 
 
 @triton.jit
-def _regs_pairs(sel, l0, l1, l2, l3, h0, h1, h2, h3, BITS: tl.constexpr, ASM: tl.constexpr):
+def _regs_pairs(sel, half, l0, l1, l2, l3, h0, h1, h2, h3, BITS: tl.constexpr, ASM: tl.constexpr):
     """The four codes in ``sel``'s low nibbles looked up in a table held in registers as byte planes
     (:func:`register_tables`: ``l*`` the entries' low bytes, ``h*`` their high bytes; 8 entries use ``l0, l1, h0,
-    h1``), as two fp16 pairs: 4 ``PRMT`` per four weights for 2/3-bit codes, 8 for 4-bit, no memory access. any4 and
+    h1``), as two fp16 pairs: 4 ``PRMT`` per four weights for 2/3-bit codes, 8 for 4-bit (``sel``, ``half``: the
+    selectors of :func:`_selectors`), no memory access. any4 and
     FLUTE keep their tables in registers / shared memory for the same reason: an L1 look-up per weight made the
     H100 kernel latency-bound."""
     if BITS == 4:
-        lo = _bytes16(sel, l0, l1, l2, l3, ASM)
-        hi = _bytes16(sel, h0, h1, h2, h3, ASM)
+        lo = _bytes16(sel, half, l0, l1, l2, l3, ASM)
+        hi = _bytes16(sel, half, h0, h1, h2, h3, ASM)
     else:
         lo = _prmt(l0, l1, sel, ASM)
         hi = _prmt(h0, h1, sel, ASM)
@@ -327,15 +340,20 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     k_hi = tl.minimum(k_lo + k_split, K)
     NIB: tl.constexpr = LUT == 4 or LUT == 6  # NIBBLE_MODES
     H2: tl.constexpr = LUT >= 5  # H2_MODES: fp16 pair FMAs (the launch checks XP == 1, fp16 activation pairs)
+    # tiles per fp16 chain: a tile adds CPG / 4 products to each lane (3-bit 8, 2-bit 4, 4-bit 2); at most 8 per chain
+    CHAIN_TILES: tl.constexpr = 32 // CPG
     PLANES: tl.constexpr = NIB and BITS == 3  # nibble codes: three contiguous planes per row
     plane = tl.multiple_of(row_words // 3, 4) if PLANES else 0
     if LUT >= 3 and ROW_TABLES:  # register tables of whole-row tables: the same for every tile
         l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
-    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
+    if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 every CHAIN_TILES tiles
+        accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
+        accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
+    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES, True)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
         n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM,
-                                 plane, PLANES)
+                                 plane, PLANES, True)
         cb = k0 // CBLOCK
         tbase = ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)  # table index (< 2**31): 32-bit offsets
         xoff = xrow[:, None] + ((k0 // CPG + tl.arange(0, NW)) * XSTEP)[None, :]
@@ -344,13 +362,10 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
         if LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
             if not ROW_TABLES:
                 l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
-            if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 after the tile (<= 8 products each)
-                accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
-                accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
             for o in tl.static_range(CPG // 8):
-                s = _octet(w0, w1, w2, o, BITS, NIB)
+                sel, half = _selectors(_octet(w0, w1, w2, o, BITS, NIB), BITS)
                 for h in tl.static_range(2):
-                    pp, pq = _regs_pairs(s >> (16 * h), l0, l1, l2, l3, h0, h1, h2, h3, BITS, ASM)
+                    pp, pq = _regs_pairs(sel >> (16 * h), half >> (16 * h), l0, l1, l2, l3, h0, h1, h2, h3, BITS, ASM)
                     if H2:  # the activation pairs as loaded (fp16x2), straight into the pair FMAs
                         accp = _fma2(accp, pp[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h)[:, None, :], ASM)
                         accq = _fma2(accq, pq[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h + 1)[:, None, :], ASM)
@@ -364,10 +379,17 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                         part += xb[:, None, :] * v1[None, :, :]
                         part += xc[:, None, :] * v2[None, :, :]
                         part += xd[:, None, :] * v3[None, :, :]
-            if H2:  # the four fp16 chains of the tile, to fp32
-                pa, pb = _h2_split(accp)
-                qa, qb = _h2_split(accq)
-                part += (pa + pb) + (qa + qb)
+            if H2:  # the fp16 chains to fp32: after every tile (3-bit), or every CHAIN_TILES tiles and the last
+                if CHAIN_TILES == 1:
+                    flush = True
+                else:
+                    flush = (((k0 - k_lo) // BLOCK_K) % CHAIN_TILES == CHAIN_TILES - 1) | (k0 + BLOCK_K >= k_hi)
+                if flush:
+                    pa, pb = _h2_split(accp)
+                    qa, qb = _h2_split(accq)
+                    part += (pa + pb) + (qa + qb)
+                    accp = tl.zeros_like(accp)
+                    accq = tl.zeros_like(accq)
         else:
             for i in tl.static_range(CPG // 2):
                 xa, xb = _x_pair(x_ptr, xoff, i, XP)

@@ -73,11 +73,8 @@ def _lines(text: str, ptx: bool) -> list[tuple[str, str]]:
     return out
 
 
-def loop_body(text: str, ptx: bool = False) -> list[str]:
-    """Opcodes of the longest loop: from a label to the last backward branch to it (the main K loop).
-
-    Raises ValueError when the code has no backward branch (no loop)."""
-    items = _lines(text, ptx)
+def _loop_span(items: list[tuple[str, str]]) -> tuple[int, int]:
+    """Indices into ``items`` of the longest loop: a label and the last backward branch to it."""
     seen: dict[str, int] = {}
     best: tuple[int, int] | None = None
     for i, (kind, item) in enumerate(items):
@@ -89,7 +86,31 @@ def loop_body(text: str, ptx: bool = False) -> list[str]:
                 best = span
     if best is None:
         raise ValueError("no backward branch: the kernel has no loop")
-    return [item for kind, item in items[best[0]:best[1] + 1] if kind == "insn"]
+    return best
+
+
+def loop_body(text: str, ptx: bool = False) -> list[str]:
+    """Opcodes of the longest loop: from a label to the last backward branch to it (the main K loop).
+
+    Raises ValueError when the code has no backward branch (no loop)."""
+    items = _lines(text, ptx)
+    a, b = _loop_span(items)
+    return [item for kind, item in items[a:b + 1] if kind == "insn"]
+
+
+def loop_parts(text: str, ptx: bool = False) -> tuple[list[str], list[str]]:
+    """:func:`loop_body` split in two: the opcodes every iteration runs, and those of the blocks that a forward branch
+    inside the loop can skip (a flush every few tiles: weight them by how often they run)."""
+    items = _lines(text, ptx)
+    a, b = _loop_span(items)
+    labels = {item: i for i, (kind, item) in enumerate(items) if kind == "label" and a <= i <= b}
+    skipped = set()
+    for i in range(a, b + 1):
+        kind, item = items[i]
+        if kind == "branch" and labels.get(item, -1) > i:  # a forward branch to a label inside the loop
+            skipped.update(range(i + 1, labels[item]))
+    always = [item for i, (kind, item) in enumerate(items[a:b + 1], a) if kind == "insn" and i not in skipped]
+    return always, [item for i, (kind, item) in enumerate(items) if kind == "insn" and i in skipped]
 
 
 def kind_of(op: str, ptx: bool = False) -> str:

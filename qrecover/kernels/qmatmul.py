@@ -248,11 +248,12 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
 def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     """Batch 1-4 candidates, the most different first (``--quick`` times only the first few): tile shapes with
-    split-K sized to fill the SMs twice over, inline-PTX loads where they apply (fp32/pair tables, 3-bit words:
-    ``compile_check --isa`` counts 4.9-6.3 thread instructions per weight with them against 8.4-9.5 without, under
-    triton 3.6), then other split factors."""
+    split-K sized to fill the SMs twice over, inline-PTX loads (fp32/pair tables, code words: ``compile_check --isa``
+    counts 4.9-6.3 thread instructions per weight with them against 8.4-9.5 without, under triton 3.6), register
+    tables from the second candidate on, then other split factors."""
     bm = _pow2_at_least(m)
-    asm = (fmt.scheme == 0 and gemv.lut_mode(fmt) != gemv.LUT_FP16) or fmt.bits == 3
+    # every format has inline-PTX variants: table loads (fp32/pair tables) and code words (3-bit: strided; others: the
+    # word tile keeps the accumulator's layout, no conversion through shared memory per tile: compile_check --isa)
     # tile order from an H100 sweep (benchmarks/decode_sweep.py, 4096x14336 batch 1, L2-cold): palettize 64x256 and
     # 128x256 first; blockwise B=64 128x64 then 64x64
     shapes = [(bn, bk) for bn, bk in ((64, 256), (128, 256), (64, 128), (128, 128), (32, 256), (32, 128), (128, 64),
@@ -263,8 +264,11 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
     plain = [Config(bm, bn, bk, fill(bn, bk), False) for bn, bk in shapes]
     first = plain
-    if asm:  # the asm variants first (the plain ones measured up to 2x slower on the H100), then the plain ones
-        first = [Config(bm, bn, bk, fill(bn, bk), False, asm=True) for bn, bk in shapes] + plain
+    if fmt.scheme == 1 and fmt.bits != 3:  # blockwise: inline PTX reads the words only (not yet timed on a GPU):
+        # each tile's asm variant beside its plain one, which the H100 measured (1.2-1.4x fp16 at batch 1)
+        first = [c for p in plain for c in (dataclasses.replace(p, asm=True), p)]
+    else:  # the asm variants first (the plain ones measured up to 2x slower on the H100), then the plain ones
+        first = [dataclasses.replace(p, asm=True) for p in plain] + plain
     regs = gemv.register_modes(fmt) if fmt.scheme == 0 else ()
     modes = tuple(m for m in (gemv.table_modes(fmt) if fmt.scheme == 0 else ()) if m not in regs)
     lut = -1
@@ -278,11 +282,12 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # instructions per weight and no table look-up in memory (compile_check --isa), never timed on a GPU yet;
         # fp16 pair FMAs first (dropped by _tune where not allowed: gemv.fp16_chains_allowed), nibble codes before in place
         order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
-        reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
-        at = 3 if fmt.bits == 4 else 1  # 4-bit: after the fp32-table tiles (16-entry look-ups: more PRMT per weight
-        first = first[:at] + reg + first[at:]  # and registers than the L1 tables, compile_check --isa; 2/3-bit: fewer)
-    rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16)
-            if s != fill(bn, bk)]
+        # 4-bit: tiles of at most 64x256 (eight plane registers per row: 128x256 spills, compile_check --isa)
+        tiles = [c for c in first if c.block_n * c.block_k <= (16384 if fmt.bits == 4 else 32768)][:2]
+        reg = [dataclasses.replace(c, asm=True, lut=m) for c in tiles for m in order if m in regs]
+        first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.5-4.7 per weight against 7.7-8.1)
+    asm = fmt.scheme == 0 or fmt.bits == 3
+    rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
     return out or [Config(bm, 32, ks[-1], 1, False)]
 

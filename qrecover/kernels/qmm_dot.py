@@ -39,7 +39,7 @@ def _leaf(w0, w1, w2, tab, planes, P: tl.constexpr, SCHEME: tl.constexpr, BITS: 
     look-up is shared by its two leaves: pure inline asm, merged by the compiler)."""
     if LUT >= 3:
         s = _octet(w0, w1, w2, P // 8, BITS, LUT == 4) >> (16 * ((P // 4) % 2))
-        pp, pq = _regs_pairs(s, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5], planes[6], planes[7],
+        pp, pq = _regs_pairs(s, s, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5], planes[6], planes[7],
                              BITS, ASM)
         pair = pp if P % 4 == 0 else pq
         va = pair.to(tl.int16).to(tl.float16, bitcast=True)
