@@ -115,6 +115,7 @@ def test_the_tuner_may_pick_another_table_layout(interp):
     assert configs[0].lut == gemv.LUT_FP32 and configs[0].asm
     assert [c.lut for c in configs[1:5]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
     assert [(c.block_n, c.block_k) for c in configs[1:5:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
+    assert max(c.block_m * c.block_n * c.block_k for c in configs) <= 16384
     assert [c.lut for c in configs[5:7]] == [gemv.LUT_FP32] * 2
     assert gemv.LUT_PAIRS in {c.lut for c in configs[:10]}
 

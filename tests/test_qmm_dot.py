@@ -33,6 +33,8 @@ def test_dot_decode_matches_float64(interp, scheme, bits, params):
     modes = (-1,) if scheme == "blockwise" else (-1, gemv.LUT_FP16, gemv.LUT_FP32) + ((gemv.LUT_PAIRS,) if bits < 8 else ())
     if scheme == "palettize" and bits in (2, 3):  # register tables, codes in place and nibble codes (3-bit: 6 groups
         modes += (gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES)  # per row, planes padded to 8 words)
+    if scheme == "palettize" and bits == 4:  # register tables on the stored codes (nibbles already)
+        modes += (gemv.LUT_REGS,)
     for i, batch in enumerate(BATCHES):
         dtype, tol = ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.5e-2))[i % 3]
         x = torch.randn(batch, 192, device=DEV).to(dtype)
@@ -73,6 +75,10 @@ def test_tuner_offers_the_dot_decode_kernel_first(interp, batch):
         for c in configs:
             assert fmt.cblock % c.block_k == 0 and c.use_dot and c.block_m >= 16
             assert fmt.in_f >= c.block_k * c.split_k or c.split_k == 1
+        # 4-bit: register tables on the stored codes (nibbles already), second too
+        dots4 = [c for c in interp.candidate_configs(type(fmt)(0, 4, out_f, in_f, 16, fmt.cblock, False), batch)
+                 if isinstance(c, interp.DotDecode)]
+        assert dots4[1].lut == 3 and dots4[1].asm
     layer = _layer("palettize", 4, {})
     x = torch.randn(batch, 192, device=DEV, dtype=torch.float16)  # fp32 activations keep the shared kernel's small tiles
     assert rel_err(kernels.fused_linear(layer, x), ref64(layer, x)) < 2e-3

@@ -172,7 +172,8 @@ def dot_variants(level: str):
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_PAIRS),
                (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
                (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0), (0, 3, False, gemv.LUT_REGS),
-               (0, 3, False, gemv.LUT_REGS_NIBBLES), (0, 2, False, gemv.LUT_REGS), (0, 2, False, gemv.LUT_REGS_NIBBLES)]
+               (0, 3, False, gemv.LUT_REGS_NIBBLES), (0, 2, False, gemv.LUT_REGS), (0, 2, False, gemv.LUT_REGS_NIBBLES),
+               (0, 4, False, gemv.LUT_REGS)]
     if level != "all":
         formats = [f for f in formats if f[:3] in ((0, 3, False), (0, 4, False), (1, 4, False), (1, 3, True))]
     tiles = [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1), (64, 128, 64, 8, 1)]

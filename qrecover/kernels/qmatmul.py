@@ -238,11 +238,13 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         return s if s * bk <= fmt.in_f else s // 2
 
     out = [DotDecode(bm, bn, bk, fill(bn, bk), True, w, 1, asm=asm) for bn, bk, w in shapes]
-    if fmt.scheme == 0 and fmt.bits in (2, 3):  # register tables on nibble codes (gemv: PRMT, no table read from
+    if fmt.scheme == 0 and fmt.bits in (2, 3, 4):  # register tables on nibble codes (gemv: PRMT, no table read from
         # memory, fp16 values without a conversion) of the first tile, second: 3.2-4.7 thread instructions per weight
-        # against 6.3-8.1 (sm_90, triton 3.6); never timed on a GPU yet. On the stored codes they compile to a layout
-        # conversion through shared memory (9.5-12.5): not a candidate.
-        out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.LUT_REGS_NIBBLES))
+        # against 6.3-8.1 (sm_90, triton 3.6); never timed on a GPU yet. On the stored 2/3-bit codes they compile to a
+        # layout conversion through shared memory (9.5-12.5): not a candidate; 4-bit codes are nibbles as stored
+        # (4.3-5.8 against 4.4-6.0 for pair tables and 7.2-9.1 for fp32 tables, 0.1 global loads per weight against 0.6-1.1)
+        mode = gemv.LUT_REGS if fmt.bits == 4 else gemv.LUT_REGS_NIBBLES
+        out.insert(1, dataclasses.replace(out[0], asm=True, lut=mode))
     return out
 
 
@@ -256,8 +258,10 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     # word tile keeps the accumulator's layout, no conversion through shared memory per tile: compile_check --isa)
     # tile order from an H100 sweep (benchmarks/decode_sweep.py, 4096x14336 batch 1, L2-cold): palettize 64x256 and
     # 128x256 first; blockwise B=64 128x64 then 64x64
+    # 4-bit: at most 64x256 (32 words per thread at 128x256 spill 0.8-1.3 KB in every table layout, compile_check)
+    most = 16384 if fmt.bits == 4 else 32768
     shapes = [(bn, bk) for bn, bk in ((64, 256), (128, 256), (64, 128), (128, 128), (32, 256), (32, 128), (128, 64),
-                                      (64, 64), (256, 64), (32, 64)) if bk in ks and bm * bn * bk <= 32768]
+                                      (64, 64), (256, 64), (32, 64)) if bk in ks and bm * bn * bk <= most]
 
     def fill(bn: int, bk: int) -> int:
         return _pow2_at_least(max(min(-(-2 * SMS // -(-fmt.out_f // bn)), fmt.in_f // bk), 1))
@@ -282,9 +286,7 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # instructions per weight and no table look-up in memory (compile_check --isa), never timed on a GPU yet;
         # fp16 pair FMAs first (dropped by _tune where not allowed: gemv.fp16_chains_allowed), nibble codes before in place
         order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
-        # 4-bit: tiles of at most 64x256 (eight plane registers per row: 128x256 spills, compile_check --isa)
-        tiles = [c for c in first if c.block_n * c.block_k <= (16384 if fmt.bits == 4 else 32768)][:2]
-        reg = [dataclasses.replace(c, asm=True, lut=m) for c in tiles for m in order if m in regs]
+        reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
         first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.5-4.7 per weight against 7.7-8.1)
     asm = fmt.scheme == 0 or fmt.bits == 3
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]

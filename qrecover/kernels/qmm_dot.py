@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _store_tile, row_words
+from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _selectors, _store_tile, row_words
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,10 @@ def _leaf(w0, w1, w2, tab, planes, P: tl.constexpr, SCHEME: tl.constexpr, BITS: 
     (palettize); ``planes``: its register-table byte planes (``LUT`` 3/4, :func:`.gemv._regs_pairs`; the quad's
     look-up is shared by its two leaves: pure inline asm, merged by the compiler)."""
     if LUT >= 3:
-        s = _octet(w0, w1, w2, P // 8, BITS, LUT == 4) >> (16 * ((P // 4) % 2))
-        pp, pq = _regs_pairs(s, s, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5], planes[6], planes[7],
-                             BITS, ASM)
+        sel, half = _selectors(_octet(w0, w1, w2, P // 8, BITS, LUT == 4), BITS)
+        SH: tl.constexpr = 16 * ((P // 4) % 2)  # the word's second four codes: selectors shifted by 16
+        pp, pq = _regs_pairs(sel >> SH, half >> SH, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5],
+                             planes[6], planes[7], BITS, ASM)
         pair = pp if P % 4 == 0 else pq
         va = pair.to(tl.int16).to(tl.float16, bitcast=True)
         vb = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
