@@ -256,9 +256,8 @@ def _regs_pairs(sel, half, l0, l1, l2, l3, h0, h1, h2, h3, BITS: tl.constexpr, A
     """The four codes in ``sel``'s low nibbles looked up in a table held in registers as byte planes
     (:func:`register_tables`: ``l*`` the entries' low bytes, ``h*`` their high bytes; 8 entries use ``l0, l1, h0,
     h1``), as two fp16 pairs: 4 ``PRMT`` per four weights for 2/3-bit codes, 8 for 4-bit (``sel``, ``half``: the
-    selectors of :func:`_selectors`), no memory access. any4 and
-    FLUTE keep their tables in registers / shared memory for the same reason: an L1 look-up per weight made the
-    H100 kernel latency-bound."""
+    selectors of :func:`_selectors`), no memory access. any4 and FLUTE keep their tables in registers / shared memory
+    for the same reason: an L1 look-up per weight made the H100 kernel latency-bound."""
     if BITS == 4:
         lo = _bytes16(sel, half, l0, l1, l2, l3, ASM)
         hi = _bytes16(sel, half, h0, h1, h2, h3, ASM)
