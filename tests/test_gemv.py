@@ -355,6 +355,44 @@ print(json.dumps(out))
 """
 
 
+_FOUR_BIT_ISA = """
+import json
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv, isa
+cc.ALIGNED = True  # as the launcher specializes at run time: the plain word loads are vectorised there
+out = {}
+for label, sig, const, opts in cc.gemv_variants("default", [(1, 64, 128, 4)]):
+    if const["BITS"] == 4 and const["SCHEME"] == 0 and const["ASM"] and const["LUT"] in (gemv.LUT_PAIRS, gemv.LUT_REGS_H2):
+        k = cc._compile(gemv._gemv_kernel, sig, const, GPUTarget("cuda", 90, 32), **opts)
+        always, skipped = isa.loop_parts(cc.sass(k) or k.asm["ptx"], ptx=cc.sass(k) is None)
+        row = cc.isa_row(k, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"], cc.chain_tiles(const))
+        out[const["LUT"]] = [row["shared load"] + row["shared store"], row["float"], len(skipped), cc.chain_tiles(const)]
+print(json.dumps(out))
+"""
+
+
+def test_four_bit_decode_compiles_without_layout_conversions_and_flushes_chains_every_fourth_tile():
+    """Compiled for sm_90 as at run time (aligned; no GPU needed): the 4-bit decode kernel reads its code words through
+    PTX, so no tile goes through shared memory (0.25 shared loads and stores per weight with the plain load); the
+    fp16 pair-FMA variant flushes its chains in a block the loop skips three tiles in four, so its float work per
+    weight (HFMA2 0.5 + the flush) stays under 1 (1.62 when it flushed every tile)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _FOUR_BIT_ISA], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    assert got[gemv.LUT_PAIRS][0] == 0 and got[gemv.LUT_REGS_H2][0] == 0, got
+    shared, flo, skipped, every = got[gemv.LUT_REGS_H2]
+    assert every == 4 and skipped > 0 and 0.5 <= flo < 1.0, got
+
+
 def test_register_tables_compile_to_prmt_without_table_loads():
     """Compiled for sm_90 (no GPU needed): the register-table variants of the 3-bit decode kernel (1x128x256, inline
     PTX) look entries up with ``prmt`` and read no 64-bit pair from memory, so they issue fewer global loads per
