@@ -42,7 +42,7 @@ def variants(fmt, gemv) -> list:
     """(block_n, block_k, warps, asm, lut) variants, the likeliest first."""
     from qrecover.kernels.formats import Config
 
-    modes = gemv.table_modes(fmt) if fmt.scheme == 0 else (-1,)
+    modes = gemv.table_modes(fmt) if fmt.scheme == 0 else ((gemv.BLOCKWISE_H2, -1) if fmt.bits == 4 else (-1,))
     out = []
     for bn, bk in TILES:
         if fmt.cblock % bk:
@@ -52,13 +52,13 @@ def variants(fmt, gemv) -> list:
                 continue
             for asm in (True, False):  # inline PTX reads code words of every width (and fp32/pair tables)
                 for lut in modes:
-                    if lut in gemv.register_modes(fmt) and not asm:  # compiled without PTX: the interpreter's stand-in
+                    if (lut in gemv.register_modes(fmt) or lut in gemv.H2_MODES) and not asm:  # the interpreter's stand-in
                         continue
                     out.append(Config(1, bn, bk, 1, False, warps, 2, asm, lut))
     # 4 warps and asm first; on the first three tiles every register-table mode (never timed before: nibble codes and
     # fp16 pair FMAs first) and the default table layout (the 2026-11-27 sweep's best), then the other tiles, then the rest
     order = [m for m in (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
-             if m in gemv.register_modes(fmt)] + [-1, modes[0]]
+             if m in gemv.register_modes(fmt) or (fmt.scheme == 1 and m in modes)] + [-1, modes[0]]
 
     def rank(c):
         return order.index(c.lut) if c.lut in order else len(order)

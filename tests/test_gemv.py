@@ -122,13 +122,17 @@ def test_the_tuner_may_pick_another_table_layout(interp):
 
 def test_blockwise_decode_candidates_pair_each_tile_with_its_inline_ptx_variant():
     """Blockwise 4-bit at batch 1: each tile's inline-PTX variant (code words read through PTX, no layout conversion
-    per tile) is timed just before the plain variant the H100 measured, so ``--quick`` times both kinds."""
+    per tile) is timed just before the plain variant the H100 measured, with the fp16 pair mode of the two first tiles
+    second and third, so ``--quick`` times every kind."""
     from qrecover.kernels.qmatmul import candidate_configs
 
     fmt = layer_format(make_layer("blockwise", 4, 64, 4096, block_size=64))
     configs = candidate_configs(fmt, 1)
-    assert [c.asm for c in configs[:4]] == [True, False, True, False]
-    assert configs[0].block_n == configs[1].block_n == 128 and configs[0].block_k == configs[1].block_k == 64
+    assert [(c.asm, c.lut) for c in configs[:6]] == [(True, -1), (True, gemv.BLOCKWISE_H2), (True, gemv.BLOCKWISE_H2),
+                                                     (False, -1), (True, -1), (False, -1)]
+    assert [(c.block_n, c.block_k) for c in configs[:4]] == [(128, 64), (128, 64), (64, 64), (128, 64)]
+    fmt3 = layer_format(make_layer("blockwise", 3, 64, 4096, block_size=64))
+    assert gemv.BLOCKWISE_H2 not in {c.lut for c in candidate_configs(fmt3, 1)}  # 4-bit codes only
 
 
 _PTX_LOADS = """
@@ -198,6 +202,26 @@ def test_register_tables_in_the_decode_kernel(interp, mode, bits, block, in_f):
                     Config(4 if batch > 2 else batch, 16, wide, 1, False, asm=True, lut=mode)):
             y = kernels.fused_linear(layer, x, config=cfg)
             assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch, cfg)
+
+
+@pytest.mark.parametrize("block,symmetric", [(64, True), (32, False), (None, False)])
+def test_blockwise_fp16_pair_mode_in_the_decode_kernel(interp, block, symmetric):
+    """Blockwise 4-bit codes as fp16 pairs by their bits (``gemv.BLOCKWISE_H2``: ``c - z`` exact, fp16 pair FMAs in
+    chains of 4, scaled per tile) against float64: symmetric and asymmetric, per-block and per-channel scales, batch
+    1-4, split-K 1 and 2; fp16 activations only, and 4-bit codes only, each refused with a message."""
+    layer = make_layer("blockwise", 4, 40, 256, block_size=block, symmetric=symmetric)
+    bk = 32 if (block or 64) == 32 else 64
+    for batch in (1, 3, 4):
+        x = torch.randn(batch, 256, device=DEV).half()
+        for split in (1, 2):
+            cfg = Config(4 if batch > 2 else batch, 16, bk, split, False, asm=True, lut=gemv.BLOCKWISE_H2)
+            y = kernels.fused_linear(layer, x, config=cfg)
+            assert y.dtype == torch.float16 and rel_err(y, ref64(layer, x)) < 2e-3, (block, symmetric, batch, split)
+    with pytest.raises(ValueError, match="fp16 activations"):
+        kernels.fused_linear(layer, torch.randn(1, 256, device=DEV).bfloat16(), config=Config(1, 16, bk, 1, False, lut=5))
+    with pytest.raises(ValueError, match="4-bit codes, got 3-bit"):
+        kernels.fused_linear(make_layer("blockwise", 3, 40, 256, block_size=64), torch.randn(1, 256, device=DEV).half(),
+                             config=Config(1, 16, 64, 1, False, lut=gemv.BLOCKWISE_H2))
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -281,18 +305,27 @@ def _run_ptx(asm: str, regs: dict) -> dict:
         elif m := re.fullmatch(r"fma\.rn\.f16x2 (\$\d+), ([\w$]+), ([\w$]+), ([\w$]+)", stmt):
             r = (halves(val(m[2])) * halves(val(m[3])) + halves(val(m[4]))).astype(np.float16).view(np.uint16)
             regs[m[1]] = int(r[0]) | int(r[1]) << 16
+        elif m := re.fullmatch(r"add\.rn\.f16x2 (\$\d+), ([\w$]+), ([\w$]+)", stmt):
+            r = (halves(val(m[2])) + halves(val(m[3]))).astype(np.float16).view(np.uint16)
+            regs[m[1]] = int(r[0]) | int(r[1]) << 16
+        elif m := re.fullmatch(r"shr\.b32 ([\w$]+), ([\w$]+), (\d+)", stmt):  # .b32: a logical shift
+            regs[m[1]] = (val(m[2]) & 0xFFFFFFFF) >> int(m[3])
+        elif m := re.fullmatch(r"lop3\.b32 ([\w$]+), ([\w$]+), ([\w$]+), ([\w$]+), (0x[0-9A-Fa-f]+)", stmt):
+            a, b, c, lut = val(m[2]), val(m[3]), val(m[4]), int(m[5], 16)  # bit i: lut[a_i << 2 | b_i << 1 | c_i]
+            regs[m[1]] = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
         elif stmt and not stmt.startswith((".reg", "}")):
             raise AssertionError(f"no model for PTX statement {stmt!r}")
     return regs
 
 
-def _ptx(fn, *inputs, outs: int = 1) -> list:
-    """Run the inline PTX of the triton helper ``fn`` on ``inputs`` (operands ``$outs..``); its outputs ``$0..``."""
+def _ptx(fn, *inputs, outs: int = 1, pick: int = 0) -> list:
+    """Run the inline PTX of the triton helper ``fn`` (its ``pick``-th ``inline_asm_elementwise``) on ``inputs``
+    (operands ``$outs..``); its outputs ``$0..``."""
     import inspect
     import re
 
     src = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
-    asm = "".join(re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(")[1].split('"=r')[0]))
+    asm = "".join(re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(")[1 + pick].split('"=r')[0]))
     regs = _run_ptx(asm, {f"${outs + i}": v for i, v in enumerate(inputs)})
     return [regs[f"${i}"] for i in range(outs)]
 
@@ -338,6 +371,23 @@ def test_register_lookup_ptx_selects_each_entry(entries):
         sums = [_ptx(gemv._fma2, w, xu, a)[0] for w, xu, a in zip((p, q), x.view(np.uint32).tolist(), acc.view(np.uint32).tolist())]
         want = (table[list(codes)].astype(np.float64) * x + acc).astype(np.float16)
         assert np.array_equal(np.array(sums, dtype=np.uint32).view(np.float16), want), codes
+
+
+def test_blockwise_pair_codes_ptx_gives_c_minus_z_exactly():
+    """The inline PTX of the blockwise fp16 pair mode (``_nibble_pair``: shift and ``lop3``; ``_hadd2``; ``_fma2``) run
+    under a model of the PTX ISA: nibbles ``i`` and ``i + 4`` of a word become ``(c_i - z, c_i+4 - z)`` exactly for
+    every code and zero point, and the pair FMA adds them times the activations to the right halves."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for z in (0, 8, 15, 3):
+        zh = int(np.array([-1024.0 - z], dtype=np.float16).view(np.uint16)[0])
+        for word in [0x76543210, 0xFEDCBA98, 0x0F0F0F0F] + rng.integers(0, 1 << 32, 4).tolist():
+            for i in range(4):
+                p = _ptx(gemv._nibble_pair, word, pick=i)[0]  # the asm of I = i
+                v = _ptx(gemv._hadd2, p, zh | zh << 16)[0]
+                got = np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)
+                assert got.tolist() == [(word >> 4 * i & 15) - z, (word >> 4 * i + 16 & 15) - z], (hex(word), i, z)
 
 
 _REGS_ISA = """

@@ -139,7 +139,8 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
                (0, 3, False, gemv.LUT_FP16),
                (0, 4, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_FP32),
                (0, 4, False, gemv.LUT_FP16), (0, 8, False, gemv.LUT_FP32), (1, 2, False, 0), (1, 3, True, 0),
-               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0)]
+               (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0), (1, 4, False, gemv.BLOCKWISE_H2),
+               (1, 4, True, gemv.BLOCKWISE_H2)]
     formats += [(0, bits, False, mode) for bits in (3, 4, 2) for mode in gemv.register_modes(gemv.Format(0, bits, 16, 32, 16, 32, False))]
     if level != "all":
         formats = [f for f in formats if f[:2] in ((0, 3), (0, 4), (1, 4)) or f[2]]
@@ -158,10 +159,10 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             ROW_TABLES=lut >= gemv.LUT_REGS)  # register tables: whole-row tables (loaded once)
+                             ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS)  # register tables: loaded once
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles", " reg-lut h2",
-                            " reg-lut nibbles h2")[lut] if scheme == 0 else ""
+                            " reg-lut nibbles h2")[lut] if scheme == 0 else (" h2" if lut == gemv.BLOCKWISE_H2 else "")
                 yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
 
 

@@ -47,6 +47,10 @@ from .formats import Format
 LUT_FP16, LUT_FP32, LUT_PAIRS, LUT_REGS, LUT_REGS_NIBBLES, LUT_REGS_H2, LUT_REGS_NIBBLES_H2 = 0, 1, 2, 3, 4, 5, 6
 NIBBLE_MODES = (LUT_REGS_NIBBLES, LUT_REGS_NIBBLES_H2)
 H2_MODES = (LUT_REGS_H2, LUT_REGS_NIBBLES_H2)
+#: blockwise 4-bit layers (no tables) take ``Config.lut`` = this for their fp16 pair mode: two codes become an fp16
+#: pair by their bits (``0x6400 | c`` is ``1024 + c``), one ``add.rn.f16x2`` makes them ``c - z`` exactly, and
+#: ``fma.rn.f16x2`` multiplies them by the activation pairs (chains of 4 products, flushed to fp32 and scaled per tile)
+BLOCKWISE_H2 = LUT_REGS_H2
 #: activation loads: 0 one load per value; 1 / 2 one 32-bit load per pair of fp16 / bf16 values, split in registers
 X_PLAIN, X_FP16_PAIRS, X_BF16_PAIRS = 0, 1, 2
 
@@ -252,6 +256,62 @@ def _fma2(acc, w, xu, ASM: tl.constexpr):
 
 
 @triton.jit
+def _hadd2(a, b, ASM: tl.constexpr):
+    """``add.rn.f16x2``: ``a + b`` on two fp16 lanes held in int32 (low half first). Interpreted: each lane in fp32,
+    then rounded (exact for the integers it adds here)."""
+    if ASM:
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    a0, a1 = _h2_split(a)
+    b0, b1 = _h2_split(b)
+    lo = (a0 + b0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | ((a1 + b1).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _nibble_pair(w, I: tl.constexpr, ASM: tl.constexpr):
+    """Nibbles ``I`` and ``I + 4`` of uint32 ``w`` as the fp16 pair ``(1024 + c_I, 1024 + c_I+4)`` (int32): ``(w >>
+    4 I) & 0x000F000F | 0x64006400``, one ``lop3`` (a plain and-or takes two: its second constant is not an operand
+    of the compiled ``LOP3``) after the shift."""
+    if ASM:
+        if I == 0:
+            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [w],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        elif I == 1:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
+                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+        elif I == 2:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
+                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
+                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    return (((w >> (4 * I)) & 0x000F000F) | 0x64006400).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _h2_codes(w, zneg, u0, u1, u2, u3, scale, ASM: tl.constexpr):
+    """Blockwise 4-bit (:data:`BLOCKWISE_H2`): ``sum_j x_j (c_j - z) s`` over each word's eight codes, fp32 ``(BM, BN,
+    NW)``. ``w (BN, NW)``: the words; ``zneg (BN,)``: the fp16 pair ``-(1024 + z)`` of each row; ``u0..u3 (BM, NW)``:
+    the activation pairs ``(x_2j, x_2j+1)``; ``scale (BN,)`` fp32. Codes ``i`` and ``i + 4`` of a word become one fp16
+    pair by their bits (``w >> 4i & 0x000F000F | 0x64006400`` = ``(1024 + c_i, 1024 + c_i+4)``: a shift and one
+    ``LOP3``), an ``add.rn.f16x2`` makes them ``c - z`` exactly, and ``fma.rn.f16x2`` multiplies them by the
+    activations rearranged as ``(x_i, x_i+4)`` (once per word column, shared by the rows)."""
+    acc = tl.zeros((u0.shape[0], w.shape[0], w.shape[1]), dtype=tl.int32)
+    for i in tl.static_range(4):
+        v = _hadd2(_nibble_pair(w, i, ASM), zneg[:, None], ASM)
+        ua = u0 if i < 2 else u1  # x_i (i < 2: pair 0; else pair 1), and x_i+4 from pair 2 / 3
+        ub = u2 if i < 2 else u3
+        if i % 2 == 0:
+            xu = (ua & 0xFFFF) | (ub << 16)
+        else:
+            xu = ((ua >> 16) & 0xFFFF) | (ub & -65536)
+        acc = _fma2(acc, v[None, :, :], xu[:, None, :], ASM)
+    lo, hi = _h2_split(acc)
+    return scale[None, :, None] * (lo + hi)
+
+
+@triton.jit
 def _regs_pairs(sel, half, l0, l1, l2, l3, h0, h1, h2, h3, BITS: tl.constexpr, ASM: tl.constexpr):
     """The four codes in ``sel``'s low nibbles looked up in a table held in registers as byte planes
     (:func:`register_tables`: ``l*`` the entries' low bytes, ``h*`` their high bytes; 8 entries use ``l0, l1, h0,
@@ -345,7 +405,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     plane = tl.multiple_of(row_words // 3, 4) if PLANES else 0
     if LUT >= 3 and ROW_TABLES:  # register tables of whole-row tables: the same for every tile
         l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
-    if H2:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 every CHAIN_TILES tiles
+    if H2 and SCHEME == 0:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 every CHAIN_TILES tiles
         accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
         accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
     w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES, True)
@@ -358,7 +418,12 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
         xoff = xrow[:, None] + ((k0 // CPG + tl.arange(0, NW)) * XSTEP)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
         sx = tl.zeros((BLOCK_M, NW), dtype=tl.float32)
-        if LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
+        if SCHEME == 1 and H2:  # blockwise 4-bit codes as fp16 pairs (BLOCKWISE_H2): the tile lies in one block
+            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
+            zh = (-1024.0 - zp).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            acc += _h2_codes(w0, zh | (zh << 16), tl.load(x_ptr + xoff), tl.load(x_ptr + xoff + 1),
+                             tl.load(x_ptr + xoff + 2), tl.load(x_ptr + xoff + 3), scale, ASM)
+        elif LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
             if not ROW_TABLES:
                 l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
             for o in tl.static_range(CPG // 8):
@@ -405,7 +470,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                     sx += xa + xb
         if SCHEME == 0:
             acc += part
-        else:  # s * (sum x c - z sum x), per word: the tile lies in one block
+        elif not H2:  # s * (sum x c - z sum x), per word: the tile lies in one block
             scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             acc += scale[None, :, None] * (part - zp[None, :, None] * sx[:, None, :])
         w0, w1, w2 = n0, n1, n2
@@ -543,7 +608,15 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
     ``lut``: :func:`kernel_tables` for palettize, in ``cfg.lut``'s layout (-1: :func:`lut_mode`'s)."""
     m, k = x.shape
     n = fmt.out_f
-    mode = (lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else LUT_FP16
+    if fmt.scheme == 0:
+        mode = lut_mode(fmt) if cfg.lut < 0 else cfg.lut
+    elif cfg.lut == BLOCKWISE_H2:
+        if fmt.bits != 4:
+            raise ValueError(f"the fp16 pair mode of blockwise layers (lut {BLOCKWISE_H2}) takes 4-bit codes, got "
+                             f"{fmt.bits}-bit; use lut -1")
+        mode = BLOCKWISE_H2
+    else:
+        mode = LUT_FP16
     if mode == LUT_PAIRS:
         lut = lut.view(torch.int64)  # (T, 2**(2 bits)): both fp32 values of a pair in one 64-bit load
     xp = x_pairs(x)
