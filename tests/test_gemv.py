@@ -135,6 +135,23 @@ def test_blockwise_decode_candidates_pair_each_tile_with_its_inline_ptx_variant(
     assert gemv.BLOCKWISE_H2 not in {c.lut for c in candidate_configs(fmt3, 1)}  # 4-bit codes only
 
 
+def _compiled(script: str) -> dict:
+    """The JSON that ``script`` prints last, run in a fresh interpreter without ``TRITON_INTERPRET`` (it compiles the
+    kernels for sm_90 with triton's own compiler; no GPU needed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 _PTX_LOADS = """
 import json, re
 from triton.backends.compiler import GPUTarget
@@ -156,18 +173,7 @@ def test_inline_ptx_never_reads_fp16_tables_32_bits_at_a_time():
     Compiled for sm_90 (no GPU needed): the palettize variant's 32-bit PTX loads are its code words alone, as many as
     the 3-bit blockwise variant's (which has no table), and its table entries are 16-bit loads (64 per 1x64x128
     tile; 76 32-bit loads and no 16-bit ones before the fix)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _PTX_LOADS], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).resolve().parents[1], timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    counts = _compiled(_PTX_LOADS)
     assert counts["palettize"][0] == counts["blockwise"][0] > 0 and counts["palettize"][1] >= 64, counts
 
 
@@ -426,18 +432,7 @@ def test_four_bit_decode_compiles_without_layout_conversions_and_flushes_chains_
     PTX, so no tile goes through shared memory (0.25 shared loads and stores per weight with the plain load); the
     fp16 pair-FMA variant flushes its chains in a block the loop skips three tiles in four, so its float work per
     weight (HFMA2 0.5 + the flush) stays under 1 (1.62 when it flushed every tile)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _FOUR_BIT_ISA], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).resolve().parents[1], timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    got = {int(k): v for k, v in _compiled(_FOUR_BIT_ISA).items()}
     assert got[gemv.LUT_PAIRS][0] == 0 and got[gemv.LUT_REGS_H2][0] == 0, got
     shared, flo, skipped, every = got[gemv.LUT_REGS_H2]
     assert every == 4 and skipped > 0 and 0.5 <= flo < 1.0, got
@@ -448,18 +443,7 @@ def test_register_tables_compile_to_prmt_without_table_loads():
     PTX) look entries up with ``prmt`` and read no 64-bit pair from memory, so they issue fewer global loads per
     weight than the pair-table kernel; with nibble codes, fewer instructions per weight too (4.24 against 4.91
     under triton 3.9 and 3.6 when written)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _REGS_ISA], capture_output=True, text=True, env=env,
-                       cwd=Path(__file__).resolve().parents[1], timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    got = {int(k): v for k, v in _compiled(_REGS_ISA).items()}
     pairs, regs, nibbles = got[gemv.LUT_PAIRS], got[gemv.LUT_REGS], got[gemv.LUT_REGS_NIBBLES]
     assert pairs[3] > 0, pairs
     for row in (regs, nibbles):  # one prmt per weight: 256 per thread per 1x128x256 tile (4 warps)
