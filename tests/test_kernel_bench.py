@@ -50,6 +50,31 @@ def test_tuner_keeps_the_fastest_cold_time_and_its_copies_read_the_same_buffers(
     assert qmatmul._tune(x, fmt, tensors, None) == configs[1]
 
 
+def test_tuner_skips_configs_that_do_not_compile_and_names_them():
+    """A candidate that runs out of resources is skipped quietly; one whose compile fails otherwise (PTX the
+    assembler rejects: the register-table and fp16-pair variants were never compiled on a GPU when written) is
+    skipped with a warning naming it; if none compiles, the error says how to run the dense path."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from qrecover.kernels import qmatmul
+    from qrecover.kernels.formats import Format
+
+    configs = qmatmul.candidate_configs(Format(0, 3, 256, 1024, 16, 1024, False), 1)[:4]
+    errors = {configs[0]: OutOfResources(300, 255, "registers"), configs[1]: PTXASError("Unknown modifier '.f16x3'")}
+    times = dict(zip(configs, (1.0, 1.0, 3.0, 2.0)))
+
+    def time_one(cfg):
+        if cfg in errors:
+            raise errors[cfg]
+        return times[cfg]
+
+    with pytest.warns(UserWarning, match=r"did not compile on this GPU.*PTXASError.*f16x3") as seen:
+        assert qmatmul._fastest(configs, time_one) == configs[3]
+    assert len(seen) == 1 and str(configs[1]) in str(seen[0].message)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="QRECOVER_KERNELS=0"):
+        qmatmul._fastest(configs[:2], time_one)
+
+
 def test_dry_run_builds_every_quick_case(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)

@@ -47,10 +47,12 @@ tensor-core ``tl.dot``; accumulation is fp32.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton.errors import TritonError
 from triton.runtime.errors import OutOfResources
 
 from . import dispatch, gemv, qmm_dot
@@ -396,19 +398,32 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     elif torch.cuda.is_current_stream_capturing():  # inside someone's graph capture nothing can be timed: not kept
         return configs[0]
     else:
-        timings = {}
         if any(c.lut in gemv.NIBBLE_MODES for c in configs) and "qdata_nibbles" not in tensors:
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
-        for cfg in configs:
-            try:
-                timings[cfg] = _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None)
-            except OutOfResources:
-                continue
-        best = min(timings, key=timings.get)
+        best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None))
         del sets
     _TUNED[key] = best
     return best
+
+
+def _fastest(configs: list[Config], time_one) -> Config:
+    """The config ``time_one(cfg)`` measures fastest. One that does not compile for this GPU is skipped: out of
+    registers or shared memory silently, any other compile error (e.g. inline PTX the assembler rejects) with a
+    warning naming the config, so that a kernel variant never timed on this GPU cannot stop a layer from running."""
+    timings = {}
+    for cfg in configs:
+        try:
+            timings[cfg] = time_one(cfg)
+        except OutOfResources:
+            continue
+        except TritonError as e:
+            warnings.warn(f"qrecover: kernel config {cfg} did not compile on this GPU and was skipped "
+                          f"({type(e).__name__}: {str(e)[:300]})", stacklevel=2)
+    if not timings:
+        raise RuntimeError(f"none of the {len(configs)} kernel configs compiled for this layer (the first: {configs[0]}); "
+                           "QRECOVER_KERNELS=0 runs the dense path instead")
+    return min(timings, key=timings.get)
 
 
 def _time(x: torch.Tensor, fmt: Format, sets: list[dict], bias: torch.Tensor | None, cfg: Config, cold: bool) -> float:
