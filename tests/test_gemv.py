@@ -324,14 +324,13 @@ def _run_ptx(asm: str, regs: dict) -> dict:
     return regs
 
 
-def _ptx(fn, *inputs, outs: int = 1, pick: int = 0) -> list:
-    """Run the inline PTX of the triton helper ``fn`` (its ``pick``-th ``inline_asm_elementwise``) on ``inputs``
-    (operands ``$outs..``); its outputs ``$0..``."""
+def _ptx(fn, *inputs, outs: int = 1) -> list:
+    """Run the inline PTX of the triton helper ``fn`` on ``inputs`` (operands ``$outs..``); its outputs ``$0..``."""
     import inspect
     import re
 
     src = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
-    asm = "".join(re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(")[1 + pick].split('"=r')[0]))
+    asm = "".join(re.findall(r'"([^"]*)"', src.split("inline_asm_elementwise(")[1].split('"=r')[0]))
     regs = _run_ptx(asm, {f"${outs + i}": v for i, v in enumerate(inputs)})
     return [regs[f"${i}"] for i in range(outs)]
 
@@ -380,7 +379,7 @@ def test_register_lookup_ptx_selects_each_entry(entries):
 
 
 def test_blockwise_pair_codes_ptx_gives_c_minus_z_exactly():
-    """The inline PTX of the blockwise fp16 pair mode (``_nibble_pair``: shift and ``lop3``; ``_hadd2``; ``_fma2``) run
+    """The inline PTX of the blockwise fp16 pair mode (``_and_or``'s ``lop3`` after the shift; ``_hadd2``) run
     under a model of the PTX ISA: nibbles ``i`` and ``i + 4`` of a word become ``(c_i - z, c_i+4 - z)`` exactly for
     every code and zero point, and the pair FMA adds them times the activations to the right halves."""
     import numpy as np
@@ -390,10 +389,14 @@ def test_blockwise_pair_codes_ptx_gives_c_minus_z_exactly():
         zh = int(np.array([-1024.0 - z], dtype=np.float16).view(np.uint16)[0])
         for word in [0x76543210, 0xFEDCBA98, 0x0F0F0F0F] + rng.integers(0, 1 << 32, 4).tolist():
             for i in range(4):
-                p = _ptx(gemv._nibble_pair, word, pick=i)[0]  # the asm of I = i
+                p = _ptx(gemv._and_or, word >> 4 * i, 0x000F000F, 0x64006400)[0]  # the constants as registers
                 v = _ptx(gemv._hadd2, p, zh | zh << 16)[0]
                 got = np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16)
                 assert got.tolist() == [(word >> 4 * i & 15) - z, (word >> 4 * i + 16 & 15) - z], (hex(word), i, z)
+                x, acc = rng.standard_normal(2).astype(np.float16), rng.standard_normal(2).astype(np.float16)
+                r = _ptx(gemv._fma2, v, int(x.view(np.uint32)[0]), int(acc.view(np.uint32)[0]))[0]
+                want = (got.astype(np.float64) * x + acc).astype(np.float16)
+                assert np.array_equal(np.array([r], dtype=np.uint32).view(np.float16), want), (hex(word), i, z)
 
 
 _REGS_ISA = """

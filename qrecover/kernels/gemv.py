@@ -193,13 +193,24 @@ def _prmt(a, b, sel, ASM: tl.constexpr):
 
 
 @triton.jit
-def _selectors(s, BITS: tl.constexpr):
+def _and_or(x, M: tl.constexpr, C: tl.constexpr, ASM: tl.constexpr):
+    """``(x & M) | C`` on uint32 as one ``lop3`` (``ASM``): written plainly it compiles to two ``LOP3``, whose one
+    immediate operand holds a single constant; here both constants are registers, set once outside the loop."""
+    if ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [x, tl.full(x.shape, M, tl.uint32), tl.full(x.shape, C, tl.uint32)],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    return (x & M) | C
+
+
+@triton.jit
+def _selectors(s, BITS: tl.constexpr, ASM: tl.constexpr):
     """The ``PRMT`` selectors of the eight codes in ``s``'s nibbles (:func:`_octet`), made once per word: for 4-bit
     codes, their low 3 bits (the look-up in each 8-entry half) and the per-byte choice of half (nibble ``i + 4 *
     bit3``, the pattern of both 16-bit halves); 2/3-bit codes are selectors as they are (the second is unused).
     ``prmt`` reads a selector's low 16 bits, so the second four codes take the same selectors shifted by 16."""
     if BITS == 4:
-        return s & 0x77777777, ((s >> 1) & 0x44444444) | 0x32103210
+        return s & 0x77777777, _and_or(s >> 1, 0x44444444, 0x32103210, ASM)
     return s, s
 
 
@@ -269,37 +280,17 @@ def _hadd2(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _nibble_pair(w, I: tl.constexpr, ASM: tl.constexpr):
-    """Nibbles ``I`` and ``I + 4`` of uint32 ``w`` as the fp16 pair ``(1024 + c_I, 1024 + c_I+4)`` (int32): ``(w >>
-    4 I) & 0x000F000F | 0x64006400``, one ``lop3`` (a plain and-or takes two: its second constant is not an operand
-    of the compiled ``LOP3``) after the shift."""
-    if ASM:
-        if I == 0:
-            return tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;", "=r,r", [w],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        elif I == 1:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
-                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
-        elif I == 2:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
-                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, 0x64006400, "
-                                             "0xEA; }", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
-    return (((w >> (4 * I)) & 0x000F000F) | 0x64006400).to(tl.int32, bitcast=True)
-
-
-@triton.jit
 def _h2_codes(w, zneg, u0, u1, u2, u3, scale, ASM: tl.constexpr):
     """Blockwise 4-bit (:data:`BLOCKWISE_H2`): ``sum_j x_j (c_j - z) s`` over each word's eight codes, fp32 ``(BM, BN,
     NW)``. ``w (BN, NW)``: the words; ``zneg (BN,)``: the fp16 pair ``-(1024 + z)`` of each row; ``u0..u3 (BM, NW)``:
     the activation pairs ``(x_2j, x_2j+1)``; ``scale (BN,)`` fp32. Codes ``i`` and ``i + 4`` of a word become one fp16
     pair by their bits (``w >> 4i & 0x000F000F | 0x64006400`` = ``(1024 + c_i, 1024 + c_i+4)``: a shift and one
-    ``LOP3``), an ``add.rn.f16x2`` makes them ``c - z`` exactly, and ``fma.rn.f16x2`` multiplies them by the
+    ``LOP3``, :func:`_and_or`), an ``add.rn.f16x2`` makes them ``c - z`` exactly, and ``fma.rn.f16x2`` multiplies them by the
     activations rearranged as ``(x_i, x_i+4)`` (once per word column, shared by the rows)."""
     acc = tl.zeros((u0.shape[0], w.shape[0], w.shape[1]), dtype=tl.int32)
     for i in tl.static_range(4):
-        v = _hadd2(_nibble_pair(w, i, ASM), zneg[:, None], ASM)
+        # nibbles i and i + 4 as the fp16 pair (1024 + c_i, 1024 + c_i+4): a shift and one lop3
+        v = _hadd2(_and_or(w >> (4 * i), 0x000F000F, 0x64006400, ASM).to(tl.int32, bitcast=True), zneg[:, None], ASM)
         ua = u0 if i < 2 else u1  # x_i (i < 2: pair 0; else pair 1), and x_i+4 from pair 2 / 3
         ub = u2 if i < 2 else u3
         if i % 2 == 0:
@@ -427,7 +418,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
             if not ROW_TABLES:
                 l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
             for o in tl.static_range(CPG // 8):
-                sel, half = _selectors(_octet(w0, w1, w2, o, BITS, NIB), BITS)
+                sel, half = _selectors(_octet(w0, w1, w2, o, BITS, NIB), BITS, ASM)
                 for h in tl.static_range(2):
                     pp, pq = _regs_pairs(sel >> (16 * h), half >> (16 * h), l0, l1, l2, l3, h0, h1, h2, h3, BITS, ASM)
                     if H2:  # the activation pairs as loaded (fp16x2), straight into the pair FMAs

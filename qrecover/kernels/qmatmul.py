@@ -244,7 +244,7 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # memory, fp16 values without a conversion) of the first tile, second: 3.2-4.7 thread instructions per weight
         # against 6.3-8.1 (sm_90, triton 3.6); never timed on a GPU yet. On the stored 2/3-bit codes they compile to a
         # layout conversion through shared memory (9.5-12.5): not a candidate; 4-bit codes are nibbles as stored
-        # (4.3-5.8 against 4.4-6.0 for pair tables and 7.2-9.1 for fp32 tables, 0.1 global loads per weight against 0.6-1.1)
+        # (4.3-5.7 against 4.4-6.0 for pair tables and 7.2-9.1 for fp32 tables, 0.1 global loads per weight against 0.6-1.1)
         mode = gemv.LUT_REGS if fmt.bits == 4 else gemv.LUT_REGS_NIBBLES
         out.insert(1, dataclasses.replace(out[0], asm=True, lut=mode))
     return out
@@ -294,7 +294,7 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # fp16 pair FMAs first (dropped by _tune where not allowed: gemv.fp16_chains_allowed), nibble codes before in place
         order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
         reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
-        first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.5-4.7 per weight against 7.7-8.1)
+        first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.4-4.6 per weight against 7.7-8.1)
     asm = fmt.scheme == 0 or fmt.bits == 3
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]

@@ -38,7 +38,7 @@ def _leaf(w0, w1, w2, tab, planes, P: tl.constexpr, SCHEME: tl.constexpr, BITS: 
     (palettize); ``planes``: its register-table byte planes (``LUT`` 3/4, :func:`.gemv._regs_pairs`; the quad's
     look-up is shared by its two leaves: pure inline asm, merged by the compiler)."""
     if LUT >= 3:
-        sel, half = _selectors(_octet(w0, w1, w2, P // 8, BITS, LUT == 4), BITS)
+        sel, half = _selectors(_octet(w0, w1, w2, P // 8, BITS, LUT == 4), BITS, ASM)
         SH: tl.constexpr = 16 * ((P // 4) % 2)  # the word's second four codes: selectors shifted by 16
         pp, pq = _regs_pairs(sel >> SH, half >> SH, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5],
                              planes[6], planes[7], BITS, ASM)
