@@ -90,7 +90,8 @@ def chain_tiles(const: dict) -> int:
     codes), i.e. how often its flush block runs."""
     if const.get("LUT", 0) not in gemv.H2_MODES:
         return 1
-    return 32 // (32 if const["BITS"] == 3 else 32 // const["BITS"])
+    codes_per_group = 32 if const["BITS"] == 3 else 32 // const["BITS"]  # gemv's CPG
+    return 32 // codes_per_group
 
 
 def resources(kernel) -> dict[str, int]:

@@ -242,6 +242,13 @@ def _h2_split(u):
 
 
 @triton.jit
+def _h2_sum(u):
+    """The sum of the two fp16 halves of int32 ``u``, in fp32 (an fp16 pair chain flushed)."""
+    a, b = _h2_split(u)
+    return a + b
+
+
+@triton.jit
 def _halves(u, ASM: tl.constexpr):
     """:func:`_h2_split` through PTX (``mov`` into two 16-bit registers, two ``cvt``: no shift for the high half)."""
     if ASM:
@@ -298,8 +305,7 @@ def _h2_codes(w, zneg, u0, u1, u2, u3, scale, ASM: tl.constexpr):
         else:
             xu = ((ua >> 16) & 0xFFFF) | (ub & -65536)
         acc = _fma2(acc, v[None, :, :], xu[:, None, :], ASM)
-    lo, hi = _h2_split(acc)
-    return scale[None, :, None] * (lo + hi)
+    return scale[None, :, None] * _h2_sum(acc)
 
 
 @triton.jit
@@ -440,9 +446,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                 else:
                     flush = (((k0 - k_lo) // BLOCK_K) % CHAIN_TILES == CHAIN_TILES - 1) | (k0 + BLOCK_K >= k_hi)
                 if flush:
-                    pa, pb = _h2_split(accp)
-                    qa, qb = _h2_split(accq)
-                    part += (pa + pb) + (qa + qb)
+                    part += _h2_sum(accp) + _h2_sum(accq)
                     accp = tl.zeros_like(accp)
                     accq = tl.zeros_like(accq)
         else:

@@ -274,8 +274,9 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # each tile's asm variant beside its plain one, which the H100 measured (1.2-1.4x fp16 at batch 1)
         first = [c for p in plain for c in (dataclasses.replace(p, asm=True), p)]
         if fmt.bits == 4:  # 4-bit: the codes as fp16 pairs (gemv.BLOCKWISE_H2) of the two first tiles, second and
-            # third: 2.4-2.9 thread instructions per weight against 6.5-7.4 (compile_check --isa, sm_90); never timed
-            # on a GPU yet; dropped by _tune where fp16 chains are not allowed (gemv.fp16_chains_allowed)
+            # third: 3.4-4.3 thread instructions per weight (symmetric; 3.9-6.8 with zero points) against 6.5-7.4
+            # (compile_check --isa, sm_90); never timed on a GPU yet; dropped by _tune where fp16 chains are not
+            # allowed (gemv.fp16_chains_allowed)
             h2 = [dataclasses.replace(c, asm=True, lut=gemv.BLOCKWISE_H2) for c in first[::2][:2]]
             first = first[:1] + h2 + first[1:]
     else:  # the asm variants first (the plain ones measured up to 2x slower on the H100), then the plain ones
