@@ -1,6 +1,8 @@
-"""End to end on the real default model (SmolLM2-135M-Instruct), marked slow (~4 min on 2 CPU cores).
+"""End to end on the real default model (SmolLM2-135M-Instruct), marked slow (~3 min on 2 CPU cores).
 
-One compression at AFM's production budget (3.7 bpw, 4 x 128 calibration tokens): the measured
+One compression at AFM's production budget with the quick start's menu (3.7 bpw, ``--encodings quick``, 4 x 128
+calibration tokens; the full default menu took 11.6 min here, 2026-11-28, and its mechanics have tests of their own on
+tiny models): the measured
 whole-model bpw lands in [3.6, 3.7]; the checkpoint reloads; the reloaded model's logits on a short prompt
 equal (1e-4) those of the original architecture with the checkpoint's dequantized weights and stored norms copied
 in and its online final-norm rotation attached (the default menu rotates); greedy generation of 20 tokens from a
@@ -25,7 +27,7 @@ def test_default_model_end_to_end(tmp_path):
     from qrecover.models import load_model
 
     out = tmp_path / "smollm2-3.7"
-    manifest = compress(CompressConfig(bpw=3.7, calib_samples=4, seq_len=128), out=out, show_progress=False)
+    manifest = compress(CompressConfig(bpw=3.7, encodings="quick", calib_samples=4, seq_len=128), out=out, show_progress=False)
     assert 3.6 <= manifest["measured_bpw"]["model"] <= 3.7, manifest["measured_bpw"]
     assert manifest["source"]["kind"] == "default"
     assert len({v["bits"] for v in manifest["layers"].values() if v["kind"] == "linear"}) > 1
