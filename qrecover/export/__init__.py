@@ -51,13 +51,13 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, adapter: str | Pat
     checkpoint, out = Path(checkpoint), Path(out)
     _check_options(fmt, out, overwrite, adapter, merge_adapter, requantize, merge_windows, cost_windows)
     spec = parse_requantize(requantize)
-    _require(fmt)
     adapter_meta = check_adapter(adapter, checkpoint) if adapter is not None else None
     if fmt == "coreml" and adapter is not None and not merge_adapter:
         raise QRecoverError("--adapter with --format coreml is not supported (Core ML has no separate LoRA file); "
                             "export the adapter with --format gguf or compressed-tensors, or merge it with --merge-adapter")
     ckpt = read_checkpoint(checkpoint)
-    _check_exportable(ckpt, checkpoint, fmt, adapter)
+    _check_exportable(ckpt, checkpoint, fmt, adapter)  # what the format cannot hold, before its library is asked for
+    _require(fmt)
     merge = None
     if merge_adapter:
         if fmt == "compressed-tensors" and spec is None:
