@@ -201,13 +201,14 @@ def test_register_tables_in_the_decode_kernel(interp, mode, bits, block, in_f):
                                  config=Config(1, 32, 32, 2, False, lut=mode))
         cases = tuple(c for c in cases if c[1] == torch.float16)
     wide = 64 if (block or in_f) % 64 == 0 else 32
-    for batch, dtype, tol in cases:
+    for i, (batch, dtype, tol) in enumerate(cases):
         x = torch.randn(batch, in_f, device=DEV).to(dtype)
-        # asm: the inline PTX where compiled (a GPU), ignored by the interpreter; the plain-op stand-ins in the first
-        for cfg in (Config(4 if batch > 2 else batch, 32, 32, 2, False, lut=mode),
-                    Config(4 if batch > 2 else batch, 16, wide, 1, False, asm=True, lut=mode)):
-            y = kernels.fused_linear(layer, x, config=cfg)
-            assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch, cfg)
+        # the cases alternate between two tiles (split-K 2 first: the chains ending mid-chain); asm: the inline PTX
+        # where compiled (a GPU), ignored by the interpreter, which runs the plain-op stand-ins
+        bm = 4 if batch > 2 else batch
+        cfg = Config(bm, 16, wide, 1, False, asm=True, lut=mode) if i % 2 else Config(bm, 32, 32, 2, False, lut=mode)
+        y = kernels.fused_linear(layer, x, config=cfg)
+        assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch, cfg)
 
 
 @pytest.mark.parametrize("block,symmetric", [(64, True), (32, False), (None, False)])

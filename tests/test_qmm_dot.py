@@ -40,6 +40,8 @@ def test_dot_decode_matches_float64(interp, scheme, bits, params):
         x = torch.randn(batch, 192, device=DEV).to(dtype)
         bm = 16 if batch <= 16 else min(64, 1 << (batch - 1).bit_length())
         for j, mode in enumerate(modes):
+            if mode >= gemv.LUT_REGS and i % 2:  # register tables (the interpreter's slowest): batches 5, 16 and 64
+                continue
             bk = 32 if (i + j) % 2 or fmt.cblock % 64 else 64
             cfg = interp.DotDecode(bm, 32, bk, 1 + (i + j) % 3, True, 4, 1, asm=mode >= gemv.LUT_REGS, lut=mode)
             y = kernels.fused_linear(layer, x, config=cfg)

@@ -185,10 +185,10 @@ def _prmt(a, b, sel, ASM: tl.constexpr):
     if ASM:
         return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
                                          is_pure=True, pack=1)
-    out = sel & 0  # uint32 zeros of the broadcast shape
-    for i in tl.static_range(4):
-        n = (sel >> (4 * i)) & 7
-        out = out | (((tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 0xFF) << (8 * i))
+    ab = a.to(tl.uint64) | (b.to(tl.uint64) << 32)  # the eight bytes b:a
+    out = ((ab >> ((sel << 3) & 0x38).to(tl.uint64)) & 0xFF).to(tl.uint32)
+    for i in tl.static_range(1, 4):  # the bit offset of byte sel[4i + 2 : 4i] is sel[4i + 2 : 4i] * 8
+        out = out | (((ab >> ((sel >> (4 * i - 3)) & 0x38).to(tl.uint64)) & 0xFF).to(tl.uint32) << (8 * i))
     return out
 
 
@@ -342,18 +342,23 @@ def _regs_table(lut_ptr, t, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _zero_code(zp_ptr, blk, zp_nbytes, BITS: tl.constexpr, HAS_ZP: tl.constexpr):
+    """Blockwise: the int32 zero points of blocks ``blk``, bit-packed ``BITS`` each (a 4-bit one never straddles two
+    bytes: one byte load and a shift), or the constant ``2**(BITS - 1)`` (symmetric)."""
+    if not HAS_ZP:
+        return tl.zeros_like(blk).to(tl.int32) + (1 << (BITS - 1))
+    if BITS == 4:
+        return (tl.load(zp_ptr + (blk >> 1)).to(tl.int32) >> ((blk & 1) * 4).to(tl.int32)) & 15
+    zbit = blk * BITS
+    zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
+    zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
+    return (((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)
+
+
+@triton.jit
 def _scale_zero(scale_ptr, zp_ptr, blk, zp_nbytes, BITS: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Blockwise: fp32 ``(scale, zero point)`` of blocks ``blk``; zero points bit-packed (``BITS`` each) or the constant
-    ``2**(BITS - 1)`` (symmetric)."""
-    scale = tl.load(scale_ptr + blk).to(tl.float32)
-    if HAS_ZP:
-        zbit = blk * BITS
-        zlo = tl.load(zp_ptr + (zbit >> 3)).to(tl.int32)
-        zhi = tl.load(zp_ptr + (zbit >> 3) + 1, mask=(zbit >> 3) + 1 < zp_nbytes, other=0).to(tl.int32)
-        zp = ((((zhi << 8) | zlo) >> (zbit & 7).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
-    else:
-        zp = tl.zeros_like(scale) + (1 << (BITS - 1))
-    return scale, zp
+    """Blockwise: fp32 ``(scale, zero point)`` of blocks ``blk`` (:func:`_zero_code`)."""
+    return tl.load(scale_ptr + blk).to(tl.float32), _zero_code(zp_ptr, blk, zp_nbytes, BITS, HAS_ZP).to(tl.float32)
 
 
 @triton.jit
