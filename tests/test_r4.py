@@ -14,6 +14,7 @@ import torch
 from cli_helpers import run as cli
 from test_rotate import ARCHS, BASE, _model, _rel, tiny_dir  # noqa: F401  (tiny_dir: a fixture)
 
+from qrecover import export as export_pkg
 from qrecover.api import compress, load, prepare
 from qrecover.config import CompressConfig
 from qrecover.errors import QRecoverError
@@ -80,7 +81,7 @@ def test_online_input_rotation_hook():
     assert torch.allclose(lin(x), want, atol=1e-12)
 
 
-def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(tmp_path, tiny_dir, capsys):  # noqa: F811
+def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(tmp_path, tiny_dir, capsys, monkeypatch):  # noqa: F811
     cfg = CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+r4+gptq:4/g16", embedding_bits="8",
                          calib_samples=2, seq_len=32)
     prepared = prepare(cfg, show_progress=False, lazy=False)
@@ -103,6 +104,8 @@ def test_r4_checkpoint_reloads_with_the_in_memory_logits_and_export_refuses_it(t
                 q.get_submodule(n)._forward_pre_hooks.clear()
         without = q(ids).logits
     assert _rel(got, exact) < 1e-5 and _rel(without, exact) > 1e-3  # the re-attached online half is what makes it exact
+    # the refusal comes before the format's library is asked for: coreml's library made missing here
+    monkeypatch.setitem(export_pkg._EXTRAS, "coreml", ("qrecover_no_such_module", "export-coreml"))
     for fmt in ("gguf", "coreml"):  # compressed-tensors carries it (test below)
         with pytest.raises(QRecoverError, match=f"runs an online rotation at model.layers.0.mlp.down_proj, "
                                                 f"model.layers.1.mlp.down_proj \\(r4\\+.*--format {fmt} cannot hold it: "
