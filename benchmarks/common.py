@@ -36,3 +36,32 @@ def domain_ppl(model, windows: dict) -> dict[str, float]:
     from qrecover.evaluate.heldout import windows_perplexity
 
     return {name: windows_perplexity(model, w)["ppl"] for name, w in windows.items()}
+
+
+def svd_adapter(ckpt: Path, dest: Path, rank: int = 16, windows: int = 8) -> dict | None:
+    """A rank-``rank`` recovery adapter of checkpoint ``ckpt`` in ``dest`` (PEFT directory), SVD-initialised and not
+    trained (``qrecover recover --init svd`` before its first step: each ``B A`` the input-weighted approximation of
+    its layer's quantization error on ``windows`` x 512 calibration tokens). Reused when ``dest`` holds one already
+    (returns None then); otherwise returns the initialisation's report (``_total``: the output error it captures)."""
+    import gc
+
+    from transformers import AutoTokenizer
+
+    from qrecover import api
+    from qrecover.adapters.lora import attach_lora, base_identity, save_adapter
+    from qrecover.adapters.svd_init import init_error_svd
+    from qrecover.data.corpus import token_windows
+    from qrecover.recovery.api import load_teacher
+
+    if (dest / "adapter_config.json").is_file():
+        return None
+    peft_model = attach_lora(api.load(ckpt), rank=rank)
+    # the checkpoint's source model, in the checkpoint's basis (rot+ replayed): layer by layer what was quantized
+    teacher = load_teacher(peft_model.qrecover_manifest)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    info = init_error_svd(peft_model, teacher, token_windows(tok, "python-docs", "calib", windows, 512))
+    del teacher
+    save_adapter(peft_model, dest, base_identity(ckpt), peft_model.qrecover_manifest["parameters"]["model"])
+    del peft_model
+    gc.collect()
+    return info

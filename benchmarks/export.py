@@ -35,15 +35,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import svd_adapter  # noqa: E402
 from qrecover import api  # noqa: E402
-from qrecover.adapters.lora import attach_lora, base_identity, save_adapter  # noqa: E402
-from qrecover.adapters.svd_init import init_error_svd  # noqa: E402
 from qrecover.checkpoint import read_manifest  # noqa: E402
 from qrecover.config import CompressConfig  # noqa: E402
-from qrecover.data.corpus import token_windows  # noqa: E402
 from qrecover.errors import QRecoverError  # noqa: E402
 from qrecover.export import export  # noqa: E402
-from qrecover.models import load_model  # noqa: E402
 
 CHECKPOINTS = {
     "blockwise 4-bit b32 asym": dict(scheme="blockwise", scheme_params={"block_size": 32, "symmetric": False}),
@@ -159,17 +156,10 @@ def merged_row(ckpt: Path, out: Path, windows: int, cost_windows: int, ppl) -> d
     from transformers import AutoModelForCausalLM
 
     adapter = out / "svd-r16-adapter"
-    if not (adapter / "adapter_config.json").is_file():
-        t = time.time()
-        peft_model = attach_lora(api.load(ckpt), rank=16)
-        teacher, tok, _ = load_model(None)
-        info = init_error_svd(peft_model, teacher, token_windows(tok, "python-docs", "calib", 8, 512))
-        del teacher
-        save_adapter(peft_model, adapter, base_identity(ckpt), peft_model.qrecover_manifest["parameters"]["model"])
+    t = time.time()
+    if (info := svd_adapter(ckpt, adapter)) is not None:
         print(f"svd-initialised rank-16 adapter in {time.time() - t:.0f} s (captures {info['_total']:.2f} of the "
               "output error)", flush=True)
-        del peft_model
-        gc.collect()
     dest = out / f"{MERGED.replace(' ', '-')}.merged-svd-r16.gguf"
     rep = export(ckpt, "gguf", dest, adapter=adapter, merge_adapter=True, overwrite=True, cost_windows=cost_windows)
     m = AutoModelForCausalLM.from_pretrained(dest, gguf_file=rep["file"], dtype=torch.float32)

@@ -310,6 +310,36 @@ def test_recover_and_tune_train_a_rotated_checkpoint(tmp_path, tiny_dir, text_mi
     assert 0 < _rel(adapted, base) and 0 < _rel(tuned, base)  # both trained
 
 
+def test_svd_init_and_damage_ranks_refuse_a_teacher_outside_the_checkpoints_basis(tmp_path, tiny_dir):
+    """An unrotated teacher of a rot+ checkpoint has weights and inputs in another basis than the checkpoint's layers:
+    the 'svd' initialisation from it wrecked the default checkpoint (perplexity 1e13) without a word. It is refused,
+    naming the fix; the teacher rotated as the checkpoint (in_checkpoint_basis) is what both accept."""
+    from qrecover.adapters.lora import attach_lora
+    from qrecover.adapters.rank_alloc import error_spectra
+    from qrecover.adapters.svd_init import init_error_svd
+    from qrecover.recovery.api import in_checkpoint_basis
+
+    compress(CompressConfig(model=str(tiny_dir), bpw=None, encodings="rot+blockwise:4/b32", embedding_bits="8",
+                            calib_samples=2, seq_len=32), out=tmp_path / "q", show_progress=False)
+    peft_model = attach_lora(load(tmp_path / "q"), rank=2)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    windows = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    name = "base_model.model.model.layers.0.self_attn.q_proj"
+    with pytest.raises(QRecoverError, match=r"transforms are none but the checkpoint's layers were quantized after "
+                       r"rot.*in_checkpoint_basis.*or use --init zero"):
+        init_error_svd(peft_model, teacher, windows)
+    with pytest.raises(QRecoverError, match=r"in_checkpoint_basis.*or use --rank-allocation uniform"):
+        error_spectra(load(tmp_path / "q"), teacher, windows, [name.removeprefix("base_model.model.")], 2)
+    rotated = in_checkpoint_basis(teacher, peft_model.qrecover_manifest)
+    assert rotated is not teacher and rotated.qrecover_transforms == ["rot"]
+    captured = init_error_svd(peft_model, rotated, windows)
+    assert 0.2 < captured["_total"] <= 1.0  # a rank-2 correction of 4-bit errors in the right basis removes a real share
+    compress(CompressConfig(model=str(tiny_dir), bpw=None, encodings="blockwise:4/b32", embedding_bits="8",
+                            calib_samples=2, seq_len=32), out=tmp_path / "plain", show_progress=False)
+    with pytest.raises(QRecoverError, match=r"transforms are rot but .*quantized after none"):  # and the other way round
+        init_error_svd(attach_lora(load(tmp_path / "plain"), rank=2), rotated, windows)
+
+
 def _rel(a, b):
     return float((a - b).norm() / b.norm())
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import QRecoverError
-from .svd_init import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, each_layer_input, input_weighting
+from .svd_init import EXACT_MAX_WIDTH, OVERSAMPLE, POWER_ITERS, each_layer_input, input_weighting, teacher_modules
 
 MAX_RANK_FACTOR = 4  # a layer's rank is at most this many times the mean rank
 
@@ -69,11 +69,7 @@ def error_spectra(model: nn.Module, teacher: nn.Module, windows: torch.Tensor, n
     ``names`` of ``model``, from one teacher forward over ``windows`` (each layer's spectrum computed in a hook as
     its inputs appear, so one layer's inputs are held at a time)."""
     quant = dict(model.named_modules())
-    modules = dict(teacher.named_modules())
-    missing = sorted(set(names) - set(modules))
-    if missing:
-        raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
-                            "was compressed from; use --rank-allocation uniform")
+    modules = teacher_modules(model, teacher, names, "use --rank-allocation uniform")
     dev = torch.device(device)
     out: dict[str, tuple[torch.Tensor, float]] = {}
 

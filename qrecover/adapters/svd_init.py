@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..errors import QRecoverError
 from ..moe import expert_key
+from ..transforms import model_level_names
 from .lora import lora_modules
 
 #: on a CPU, layers up to this width (rows and columns) take the exact float64 path of :func:`lowrank_correction`; wider
@@ -195,6 +196,28 @@ def init_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
+def teacher_modules(model: nn.Module, teacher: nn.Module, names: list[str], fix: str) -> dict[str, nn.Module]:
+    """``teacher``'s modules by name, once it is checked to compare layer by layer with the checkpoint ``model``: it has
+    every layer of ``names`` (else an error ending in ``fix``), and it is in the checkpoint's basis, i.e. it has replayed
+    the checkpoint's model-level transforms (``rot+``, ``r4+``; :func:`qrecover.recovery.api.in_checkpoint_basis`).
+    An unrotated teacher of a rotated checkpoint would give ``W_teacher - W_quantized`` of two different bases: an
+    'svd' initialisation from it wrecks the model (perplexity 1e13 on the default checkpoint) instead of failing."""
+    modules = dict(teacher.named_modules())
+    missing = sorted(set(names) - set(modules))
+    if missing:
+        raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
+                            f"was compressed from; {fix}")
+    manifest = getattr(model, "qrecover_manifest", None)
+    want = model_level_names(manifest) if manifest is not None else []
+    done = list(getattr(teacher, "qrecover_transforms", []))
+    if done != want:
+        raise QRecoverError(f"the unquantized model's transforms are {'+'.join(done) or 'none'} but the checkpoint's layers "
+                            f"were quantized after {'+'.join(want) or 'none'}, so their weights cannot be compared layer by "
+                            "layer; pass qrecover.recovery.api.in_checkpoint_basis(teacher, manifest) (as qrecover recover "
+                            f"does), or {fix}")
+    return modules
+
+
 def each_layer_input(teacher: nn.Module, windows: torch.Tensor, names: list[str], fn, fix: str) -> None:
     """One no-grad forward of ``teacher`` over ``windows`` calling ``fn(name, input)`` once per layer of ``names``
     as its input appears (its first call), hooks removed after; a layer that sees no input is an error ending in
@@ -242,11 +265,7 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
     adapter removes, and under ``"_total"`` the same over all layers together.
     """
     layers = lora_modules(peft_model)
-    modules = dict(teacher.named_modules())
-    missing = sorted(set(layers) - set(modules))
-    if missing:
-        raise QRecoverError(f"the unquantized model has no layers {missing[:3]}: it is not the model this checkpoint "
-                            "was compressed from; use --init zero")
+    modules = teacher_modules(peft_model, teacher, list(layers), "use --init zero")
     dev = torch.device(device) if device is not None else init_device()
     captured: dict[str, float] = {}
     sums = {"before": 0.0, "after": 0.0}
@@ -296,4 +315,5 @@ def init_error_svd(peft_model: nn.Module, teacher: nn.Module, windows: torch.Ten
 
 
 __all__ = ["EXACT_MAX_WIDTH", "lowrank_correction", "input_weighting", "randomized_correction", "randomized_corrections",
-           "best_correction", "best_corrections", "exact_here", "init_device", "each_layer_input", "init_error_svd"]
+           "best_correction", "best_corrections", "exact_here", "init_device", "teacher_modules", "each_layer_input",
+           "init_error_svd"]

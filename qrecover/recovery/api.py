@@ -45,7 +45,7 @@ from ..io_utils import cache_dir, sha256_file, write_text_atomic
 from ..loading import attach_adapter, load
 from ..models import DEFAULT_MODEL, default_gguf_path, load_model, resolve
 from ..recipes import DEFAULT_MIX, shipped_path
-from ..transforms import get_transform
+from ..transforms import get_transform, model_level_names
 from .config import RecoverConfig
 from .objective import place_teacher
 from .train import CHECKPOINTS, latest_checkpoint, process_state, total_steps, train
@@ -198,7 +198,7 @@ def in_checkpoint_basis(teacher: torch.nn.Module, manifest: dict[str, Any], copy
     distillation, is unchanged. ``copy``: transform a copy (a caller's teacher is left as it was). AWQ's scales are
     fitted to data and not stored, so an ``awq+`` checkpoint's teacher stays as it is (its 'svd' initialisation does
     not match the scaled layers: a known limitation, ``--init zero`` avoids it)."""
-    names = [n for n in manifest.get("transforms", {}).get("names", []) if get_transform(n).model_level]
+    names = model_level_names(manifest)
     done = getattr(teacher, "qrecover_transforms", [])
     if done == names:
         return teacher
