@@ -324,12 +324,11 @@ def test_svd_init_and_damage_ranks_refuse_a_teacher_outside_the_checkpoints_basi
     peft_model = attach_lora(load(tmp_path / "q"), rank=2)
     teacher = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     windows = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
-    name = "base_model.model.model.layers.0.self_attn.q_proj"
     with pytest.raises(QRecoverError, match=r"transforms are none but the checkpoint's layers were quantized after "
                        r"rot.*in_checkpoint_basis.*or use --init zero"):
         init_error_svd(peft_model, teacher, windows)
     with pytest.raises(QRecoverError, match=r"in_checkpoint_basis.*or use --rank-allocation uniform"):
-        error_spectra(load(tmp_path / "q"), teacher, windows, [name.removeprefix("base_model.model.")], 2)
+        error_spectra(load(tmp_path / "q"), teacher, windows, ["model.layers.0.self_attn.q_proj"], 2)
     rotated = in_checkpoint_basis(teacher, peft_model.qrecover_manifest)
     assert rotated is not teacher and rotated.qrecover_transforms == ["rot"]
     captured = init_error_svd(peft_model, rotated, windows)
