@@ -20,6 +20,23 @@ if not torch.cuda.is_available():
     # triton: some of its state is read at import or decoration time, and other tests' imports may load it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The README's test command runs the suite in pytest-xdist workers (`-n auto`): one per core, at most 4 (a worker
+# peaks near 4 GB compressing the default model). Most tests are short and single-threaded, so two workers on 2 cores
+# took the suite from 21-26 to 16 min here (2026-11-29). Each worker takes its share of the cores: two workers at
+# torch's default of every core would oversubscribe them (LAPACK 20-50x slower on 2 cores). Subprocesses the tests
+# start (torchrun, the CLI) inherit the setting through OMP_NUM_THREADS.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _threads = max(1, _CORES // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (memory, above)."""
+    return min(4, _CORES)
+
 TINY_CONFIG = dict(
     vocab_size=49152,
     hidden_size=64,

@@ -194,6 +194,18 @@ def test_error_message_printed_verbatim(tmp_path, capsys):
     assert "run[ck]" in msg, msg
 
 
+def test_error_message_is_not_wrapped_inside_a_path(tmp_path, capsys, monkeypatch):
+    """A path longer than the console is one word in the message (the terminal wraps it): no newline is inserted into
+    it, so it can be copied."""
+    monkeypatch.setenv("COLUMNS", "40")
+    d = tmp_path / ("a-directory-name-longer-than-the-console-" * 2)
+    d.mkdir()
+    code, _, err = run(["info", d], capsys)
+    assert code == 2
+    assert str(d) in err, err
+    assert err.count("\n") == 1, err
+
+
 def test_not_a_causal_lm(tiny_model_dir, tmp_path, capsys):
     """A model type with no causal-LM class (DistilBERT) is refused with a message, not a traceback."""
     from transformers import AutoTokenizer, DistilBertConfig, DistilBertModel

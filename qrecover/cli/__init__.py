@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         from rich.markup import escape
 
         if os.environ.get("RANK", "0") == "0":
-            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+            # soft_wrap: no newlines inserted into the message (the terminal wraps it), so a long path stays one word
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0" and os.environ.get(LAUNCHED) != "1":  # else the launching process says so

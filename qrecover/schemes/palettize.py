@@ -26,13 +26,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import QRecoverError
 from ..packing import pack, packed_nbytes, unpack
 from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
-from .feedback import error_feedback, inverse_hessian_factor
+from .feedback import error_feedback, inverse_hessian_factor, numpy_steps
 
 
 @dataclass
@@ -263,10 +264,22 @@ class Palettize(Quantizer):
         bounds_by_block = [bounds_t[:, blk].contiguous() for blk in range(in_f // c)]
         tables_by_block = [tables_t[:, blk].contiguous() for blk in range(in_f // c)]
 
-        def round_fn(j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            blk = j // c
-            code = torch.searchsorted(bounds_by_block[blk], w.unsqueeze(1).contiguous())
-            return tables_by_block[blk].gather(1, code).squeeze(1), code.squeeze(1)
+        if numpy_steps(weight) and k_max <= 32 and bool((bounds_t[..., 1:] >= bounds_t[..., :-1]).all()):
+            # The same codes on the CPU, several times faster per column: the number of sorted edges below each value
+            # (what searchsorted returns) as one numpy compare-and-count over the (K-1, rows) edges, then a flat take.
+            edges_np = [b.T.contiguous().numpy() for b in bounds_by_block]
+            tables_np = [t.reshape(-1).numpy() for t in tables_by_block]
+            row_base = np.arange(bounds_t.shape[0]) * k_max
+
+            def round_fn(j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                blk = j // c
+                code = (w.numpy() > edges_np[blk]).sum(0, dtype=np.uint8)
+                return torch.from_numpy(tables_np[blk][row_base + code]), torch.from_numpy(code)
+        else:
+            def round_fn(j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                blk = j // c
+                code = torch.searchsorted(bounds_by_block[blk], w.unsqueeze(1).contiguous())
+                return tables_by_block[blk].gather(1, code).squeeze(1), code.squeeze(1)
 
         codes = error_feedback(weight.repeat(len(luts), 1), None, round_fn, factor=factor)
         return list(codes.split(out_f))
