@@ -1,0 +1,70 @@
+"""Error feedback on the CPU: numpy per-column steps against torch ops throughout, in the same run, same bytes.
+
+``qrecover.schemes.feedback.NUMPY_ON_CPU`` runs the per-column steps of GPTQ-style error feedback (palettization's
+code assignment, GPTQ) on numpy views of the same memory; False is torch ops throughout, as on a GPU. This times both
+on the default model's (SmolLM2-135M) layer shapes with random weights and a Hessian from random inputs of uneven
+channel scales, the candidates of the quick menu (palettize 2/3/4 whole-row and b192 tables, GPTQ 3/4-bit g64), one
+thread, and checks that every stored tensor is equal.
+
+    python benchmarks/feedback_speed.py            # ~1 min on one core
+    python benchmarks/feedback_speed.py --repeat 3 # best of 3 per cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from qrecover.schemes import feedback, get_quantizer
+
+SHAPES = {"q/o/gate/up (576 in)": (1536, 576), "down (1536 in)": (576, 1536), "k/v (576 in)": (192, 576)}
+CANDIDATES = {"palettize 2/3/4": ("palettize", {}, [2, 3, 4]),
+              "palettize 2/3/4 b192": ("palettize", dict(block_size=192, block_fit="nearest"), [2, 3, 4]),
+              "gptq 3/4 g64": ("gptq", dict(group_size=64, act_order=False), [3, 4])}
+
+
+def _layer(out_f: int, in_f: int):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, in_f, generator=g) * torch.rand(in_f, generator=g).add(0.05)
+    return torch.randn(out_f, in_f, generator=g) * 0.02, {"hessian": (x.T @ x).double(), "input_sq": (x**2).mean(0)}
+
+
+def _time(fn, repeat: int):
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=1, help="best of this many runs per cell")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread; seconds per layer (all widths of the candidate in one pass)\n")
+    print("| layer (out x in) | candidate | torch ops (s) | numpy steps (s) | speed-up | bytes equal |")
+    print("|---|---|---|---|---|---|")
+    totals = [0.0, 0.0]
+    for shape_name, (out_f, in_f) in SHAPES.items():
+        w, stats = _layer(out_f, in_f)
+        for cand, (scheme, params, bits) in CANDIDATES.items():
+            q = get_quantizer(scheme, **params)
+            feedback.NUMPY_ON_CPU = False
+            slow_s, slow = _time(lambda: q.quantize_many(w, bits, stats), args.repeat)
+            feedback.NUMPY_ON_CPU = True
+            fast_s, fast = _time(lambda: q.quantize_many(w, bits, stats), args.repeat)
+            same = all(torch.equal(a.tensors[k], b.tensors[k]) for a, b in zip(fast, slow) for k in a.tensors)
+            totals[0] += slow_s
+            totals[1] += fast_s
+            print(f"| {shape_name}: {out_f} x {in_f} | {cand} | {slow_s:.3f} | {fast_s:.3f} | {slow_s / fast_s:.2f}x | {same} |")
+            if not same:
+                raise SystemExit("the numpy steps changed the bytes")
+    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.2f}x | |")
+
+
+if __name__ == "__main__":
+    main()
