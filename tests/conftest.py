@@ -33,6 +33,7 @@ if _WORKERS > 1:
     torch.set_num_threads(_threads)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist (`-p no:xdist`) pytest would refuse it
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (memory, above)."""
     return min(4, _CORES)
