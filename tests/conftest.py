@@ -38,6 +38,7 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most 4 (memory, above)."""
     return min(4, _CORES)
 
+
 TINY_CONFIG = dict(
     vocab_size=49152,
     hidden_size=64,

@@ -106,3 +106,12 @@ def test_codes_keep_widths_up_to_8_bits():
     codes = error_feedback(w, None, round_fn, factor=factor)
     assert codes.dtype == torch.long and int(codes.max()) == 255 and int(codes.min()) == 0
     assert torch.equal(codes, reference_feedback(w, round_fn, factor))
+
+
+def test_codes_come_back_contiguous_int64(monkeypatch):
+    """As before the int16 buffer: ``(out, in)`` int64, contiguous (callers view and pack it), on both paths."""
+    w, stats = _layer(16, 64, seed=5)
+    factor = inverse_hessian_factor(stats["hessian"])
+    fast, slow = _both(monkeypatch, lambda: error_feedback(w, None, lambda j, col: (col.round(), col.round().long()), factor=factor))
+    for codes in (fast, slow):
+        assert codes.shape == (16, 64) and codes.dtype == torch.long and codes.is_contiguous()

@@ -91,4 +91,4 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
             wbx[k + 1:] -= ubx[k, k + 1:, None] * e[None, :]
             errx[k] = e
         wt[b1:] -= u[b0:b1, b1:].T @ errs  # the block's errors onto every later column at once
-    return codes.T.long()
+    return codes.T.contiguous().long()
