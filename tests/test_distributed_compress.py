@@ -239,9 +239,10 @@ def test_ordered_sum_is_the_sequential_float64_sum():
 def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     """``qrecover compress --procs 2`` (no torchrun) runs 2 processes through torch's elastic launcher: rank 0's
     report alone, the bytes of one process."""
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, tmp = tmp_path / "one", tmp_path / "two", tmp_path / "tmp"
+    tmp.mkdir()
     compress(CompressConfig(model=str(tiny_model_dir), encodings=MENUS["gptq"], **RUN), out=one, show_progress=False)
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "",
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp),
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, two, MENUS["gptq"]),
                            "--procs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -249,6 +250,7 @@ def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     report, end = json.JSONDecoder().raw_decode(proc.stdout.strip())
     assert end == len(proc.stdout.strip()) and report["out"] == str(two)
     assert _digests(one)["model.safetensors"] == _digests(two)["model.safetensors"]
+    assert list(tmp.iterdir()) == []  # no temporary directory left behind (the launcher's torchelastic_* logs were)
 
 
 def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):
@@ -294,11 +296,12 @@ def test_procs_interrupted_leaves_nothing(tiny_model_dir, tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(INTERRUPT_AT_COMMIT)  # imported by every Python process of the launch
-    out = tmp_path / "ckpts" / "two"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "",
+    out, tmp = tmp_path / "ckpts" / "two", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp),
            "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, out, MENUS["gptq"]),
                            "--procs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert proc.stderr.count("interrupted: nothing was written") == 1, proc.stderr[-6000:]
-    assert not out.exists() and list((tmp_path / "ckpts").iterdir()) == []
+    assert not out.exists() and list((tmp_path / "ckpts").iterdir()) == [] and list(tmp.iterdir()) == []

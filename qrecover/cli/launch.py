@@ -20,6 +20,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import NoReturn
@@ -115,6 +116,7 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
     """Run ``qrecover ARGV`` as ``n`` processes (torch's elastic launcher, as ``torchrun --standalone``), one thread
     each (or the cores shared out), and exit with rank 0's exit code; every process's output goes to this terminal
     (rank 0 alone prints progress and results)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -123,8 +125,11 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
         if name.startswith("torch.distributed.elastic"):  # (each of its modules' loggers has its own level)
             logging.getLogger(name).setLevel(logging.ERROR)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or usable_cores()) // n)
+    # the launcher's own log directory (empty: nothing is redirected) in one we remove, not a torchelastic_* left in /tmp
+    logs = tempfile.TemporaryDirectory(prefix="qrecover-launch-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5, start_method="spawn")
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5, start_method="spawn",
+                          logs_specs=DefaultLogsSpecs(log_dir=logs.name))
     os.environ.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), LAUNCHED: "1"})
     try:
         elastic_launch(config, sys.executable)("-m", "qrecover.cli", *argv)
@@ -136,4 +141,6 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
         sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(128 + int(sig))
+    finally:
+        logs.cleanup()
     sys.exit(0)
