@@ -817,3 +817,25 @@ def test_palettize_needs_and_weighting_errors():
     a = get_quantizer("palettize", weighting="fisher").quantize(randn(16, 64), 3, el)
     b = get_quantizer("palettize").quantize(randn(16, 64), 3, el)
     assert torch.equal(a.tensors["qdata"], b.tensors["qdata"])
+
+
+def test_sort_rows_is_a_stable_sort_with_signed_zeros_tied():
+    """palettize's row sort (numpy int64 keys on the CPU) against torch's stable sort: the same values to the bit
+    (-0.0 kept where it was) and the same order, ties (bf16-valued weights have many) in index order."""
+    from qrecover.schemes import feedback
+    from qrecover.schemes.palettize import sort_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 1000, generator=g) * 0.02).bfloat16().float()
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, -0.0, 0.0])
+    x[1] = 0.5  # a row of ties
+    x[2, ::3] = float("inf")
+    x[3, ::5] = float("-inf")
+    want_v, want_i = x.sort(dim=1, stable=True)
+    for numpy_path in (True, False):
+        feedback.NUMPY_ON_CPU = numpy_path
+        try:
+            v, i = sort_rows(x)
+        finally:
+            feedback.NUMPY_ON_CPU = True
+        assert torch.equal(i, want_i) and torch.equal(v.view(torch.int32), want_v.view(torch.int32))
