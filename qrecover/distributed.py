@@ -2,8 +2,8 @@
 of one process.
 
 What is split: the calibration windows (each process runs its contiguous share, :meth:`World.span`) and the
-candidate quantization (each process quantizes a share of the (unit, encoding group) jobs, :meth:`World.share`;
-the results are gathered on every process). What is reduced: every statistic summed over windows (Hessians,
+candidate quantization (each process quantizes a share of the (unit, encoding group) jobs, claiming the next one
+whenever it is free, :meth:`World.take`; the results are gathered on every process). What is reduced: every statistic summed over windows (Hessians,
 input second moments, output-gradient moments, the embedding's Fisher, the calibration loss), by
 :class:`OrderedSum`: the float64 additions happen in window order, exactly as one process does them, so the sums
 are the same bits on any number of processes (a tree or ring all-reduce would add in another order, and float
@@ -15,10 +15,11 @@ when CUDA is present, NCCL for CUDA tensors, each process on ``cuda:LOCAL_RANK``
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,25 @@ class World:
                 mine.append(j)
         return sorted(mine)
 
+    def take(self, costs: list[float]) -> Iterator[int]:
+        """The jobs (with these estimated costs) this process runs, claimed one at a time as it becomes free, the
+        costliest first: each process takes the next unclaimed job from a counter in the launch's key-value store
+        (one round trip per job), so a process whose jobs ran faster than their estimate takes more. Each job goes
+        to exactly one process, which one depends on timing: use it where a job's result does not depend on the
+        process that runs it (results gathered afterwards). Every process must call it in the same sequence. One
+        process: every job, in index order. Without a store: :meth:`share`'s static assignment."""
+        if self.size == 1:
+            yield from range(len(costs))
+            return
+        store = _store()
+        if store is None:
+            yield from self.share(costs)
+            return
+        order = sorted(range(len(costs)), key=lambda j: (-costs[j], j))
+        key = f"qrecover/take/{next(_TAKES)}"
+        while (i := store.add(key, 1) - 1) < len(order):
+            yield order[i]
+
     def gather(self, obj: Any) -> list[Any]:
         """Every process's ``obj`` (picklable), in rank order."""
         if self.size == 1:
@@ -83,6 +103,15 @@ class World:
 
 
 SINGLE = World()
+_TAKES = itertools.count()  # one counter key per World.take call (every process calls it in the same sequence)
+
+
+def _store():
+    """The default process group's key-value store (torchrun's rendezvous store), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def world() -> World:

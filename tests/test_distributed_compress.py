@@ -166,6 +166,34 @@ def test_share_gives_every_job_to_exactly_one_process_balanced_by_cost():
     assert World().share(costs) == list(range(len(costs)))
 
 
+def test_take_gives_every_job_to_exactly_one_process_the_costliest_first(monkeypatch):
+    """World.take: jobs claimed from the store's counter, costliest first, by whichever process asks next (two
+    simulated processes, the second free sooner, takes more); one process runs every job in order; no store: the
+    static share."""
+    import itertools
+
+    from qrecover import distributed
+
+    class Store:  # the launch's key-value store: an atomic counter per key
+        def __init__(self):
+            self.values: dict[str, int] = {}
+
+        def add(self, key: str, n: int) -> int:
+            self.values[key] = self.values.get(key, 0) + n
+            return self.values[key]
+
+    store = Store()
+    monkeypatch.setattr(distributed, "_store", lambda: store)
+    monkeypatch.setattr(distributed, "_TAKES", itertools.repeat(7))  # both simulated processes at the same call
+    costs = [1.0, 5.0, 3.0, 3.0, 9.0]
+    a, b = World(0, 2).take(costs), World(1, 2).take(costs)
+    assert [next(a), next(b), next(b), next(b), next(a)] == [4, 1, 2, 3, 0]
+    assert list(a) == [] and list(b) == [] and list(store.values) == ["qrecover/take/7"]
+    assert list(World().take(costs)) == [0, 1, 2, 3, 4]
+    monkeypatch.setattr(distributed, "_store", lambda: None)
+    assert [list(World(r, 2).take(costs)) for r in range(2)] == [World(r, 2).share(costs) for r in range(2)]
+
+
 def test_shared_factors_are_computed_once_across_processes_and_give_the_same_candidates(monkeypatch):
     """q and k read one Hessian, down_proj another: each inverse-Hessian factor (palettization's and act-order GPTQ's)
     is computed by exactly one of 2 processes, and the candidates made with the gathered factors are bit for bit the

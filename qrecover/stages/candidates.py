@@ -120,15 +120,16 @@ def quantize_shared(units: dict[str, Job], group: World = SINGLE, cache: dict | 
     """:func:`quantize_unit` of every unit: ``{name: [(QuantizedWeight on the CPU, damage)] in encoding order}``.
 
     The jobs (a unit's encodings of one scheme and parameters, quantized together) are shared out among the
-    processes of ``group`` (:meth:`qrecover.distributed.World.share`, by weight size x widths) and the results
-    gathered on every process: the same results as one process, which runs every job.
+    processes of ``group`` (:meth:`qrecover.distributed.World.take`: the costliest first by weight size x widths,
+    each process claiming the next job when it is free) and the results gathered on every process: the same results
+    as one process, which runs every job.
     """
     cache = {} if cache is None else cache
     share_factors(units, group, cache)
     jobs = [(n, key) for n, (_, encs, _, _) in units.items() for key in dict.fromkeys(e.key for e in encs)]
     costs = [units[n][0].numel() * sum(e.key == key for e in units[n][1]) for n, key in jobs]
     done: dict[tuple[str, str], list] = {}
-    for j in group.share(costs):
+    for j in group.take(costs):  # claimed as each process becomes free: the same results whoever runs a job
         n, key = jobs[j]
         w, encs, st, fn = units[n]
         done[n, key] = quantize_unit(w, [e for e in encs if e.key == key], st, fn, cache)
