@@ -60,6 +60,19 @@ def build_tiny_model():
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_tmpdir(tmp_path_factory):
+    """The processes tests start write their temporary files under this session's pytest directory, not /tmp:
+    torchrun makes a ``torchelastic_*`` log directory per launch and leaves it."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("subprocess-tmp"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
