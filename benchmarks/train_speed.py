@@ -185,7 +185,8 @@ class StepCounts:
                 "sync_kinds": dict(c.by_name) if c else None,
                 "copies_per_step": sum(c.ops[k] for k in COPY_OPS) if c else None,
                 "copy_mb_per_step": sum(c.out_bytes[k] for k in COPY_OPS) / 1e6 if c else None,
-                "top_ops_by_output_mb": {k: [c.ops[k], round(v / 1e6, 1)] for k, v in top}}
+                "top_ops_by_output_mb": {k: [c.ops[k], round(v / 1e6, 1)] for k, v in top},
+                "ops_per_step": dict(c.ops.most_common()) if c else None}
 
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
@@ -266,7 +267,9 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", "--quick", action="store_true", help="a tiny config on this device, end to end in seconds")
     ap.add_argument("--batches", default="1,2,4,8", help="micro-batch sizes to try")
-    ap.add_argument("--micro-batch", default=None, help="'auto': the largest that fits (CUDA; 1 on a CPU), or a size")
+    ap.add_argument("--micro-batch", default=None,
+                    help="'auto': the largest that fits (CUDA; 1 on a CPU), a size, or sizes (4,8: one run each, also "
+                    "with --budget-s, whose limit then covers them all)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per batch size (the first 2 are the warm-up)")
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
@@ -288,8 +291,8 @@ def parse() -> argparse.Namespace:
     args = ap.parse_args()
     if args.steps < 1 or args.seq_len < 8 or (args.budget_s is not None and args.budget_s <= 0):
         ap.error(f"--steps {args.steps} must be >= 1, --seq-len {args.seq_len} >= 8, --budget-s {args.budget_s} > 0")
-    if args.micro_batch not in (None, "auto") and not str(args.micro_batch).isdigit():
-        ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or a positive integer, e.g. --micro-batch 4")
+    if args.micro_batch not in (None, "auto") and not all(b.isdigit() and int(b) > 0 for b in args.micro_batch.split(",")):
+        ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or positive integers, e.g. --micro-batch 4 or 4,8")
     return args
 
 
@@ -306,7 +309,7 @@ def main() -> None:
     if args.micro_batch == "auto":
         batches = auto_micro_batch(d / "ckpt", d / "mix.toml", d / "adapter-probe", seq_len, args.gradient_checkpointing)
     elif args.micro_batch is not None:
-        batches = [int(args.micro_batch)]
+        batches = [int(b) for b in args.micro_batch.split(",")]
     elif args.budget_s is not None:
         batches = [2 if args.tiny else 4]
     else:
