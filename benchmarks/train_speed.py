@@ -271,7 +271,8 @@ def parse() -> argparse.Namespace:
                     help="'auto': the largest that fits (CUDA; 1 on a CPU), a size, or sizes (4,8: one run each, also "
                     "with --budget-s, whose limit then covers them all)")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per batch size (the first 2 are the warm-up)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps per batch size (the first 2 are the warm-up; default 12, 4 with --tiny)")
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="one run within this many seconds: micro-batch 4 (or --micro-batch), --steps, exit 1 if over")
@@ -289,7 +290,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     ap.add_argument("--out", type=Path, default=OUT.parent, help="where the model, checkpoint and JSON go")
     args = ap.parse_args()
-    if args.steps < 1 or args.seq_len < 8 or (args.budget_s is not None and args.budget_s <= 0):
+    if (args.steps is not None and args.steps < 1) or args.seq_len < 8 or (args.budget_s is not None and args.budget_s <= 0):
         ap.error(f"--steps {args.steps} must be >= 1, --seq-len {args.seq_len} >= 8, --budget-s {args.budget_s} > 0")
     if args.micro_batch not in (None, "auto") and not all(b.isdigit() and int(b) > 0 for b in args.micro_batch.split(",")):
         ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or positive integers, e.g. --micro-batch 4 or 4,8")
@@ -301,7 +302,7 @@ def main() -> None:
     t_start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config, seq_len = (TINY, 64) if args.tiny else (LLAMA_1B, args.seq_len)
-    steps = 4 if args.tiny else args.steps
+    steps = args.steps or (4 if args.tiny else 12)
     d = args.out / "train_speed" / ("tiny" if args.tiny else "llama-1b")
     src = build(d, config)
     build_s = time.perf_counter() - t_start

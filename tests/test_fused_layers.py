@@ -57,64 +57,9 @@ def test_fused_lora_gives_peft_loss_and_gradients_with_fewer_passes(autocast):
     assert ops_f.ops["add"] <= ops.ops["add"] - n
     saved = 2 * 32 * (64 + 32 + 64 + 128) * (2 if autocast else 4)  # two output-sized multiplies per projection, 32 tokens
     assert ops.out_bytes["mul"] - ops_f.out_bytes["mul"] >= 0.9 * saved, (ops.out_bytes["mul"], ops_f.out_bytes["mul"])
-    # one autograd node per projection (LoraLinear): about a fifth fewer operators dispatched per step
-    assert ops_f.dispatches <= 0.85 * ops.dispatches, (ops_f.dispatches, ops.dispatches)
     assert all("forward" not in m.__dict__ for m in model.modules())  # put back
     loss_after, _, _ = _step(model, ids, autocast)
     assert float(loss_after) == float(loss)
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_lora_linear_node_on_a_packed_base_matches_float64(bias):
-    """The whole projection (packed frozen base, its bias, a rank-3 adapter) against float64 autograd of the same
-    dense weight: output and the gradients of the input and both factors; the base gets no gradient."""
-    from qrecover.qlinear import QuantLinear
-    from qrecover.recovery.fused_layers import LoraLinear, _frozen_weight
-    from qrecover.schemes import get_quantizer
-
-    g = torch.Generator().manual_seed(0)
-    qw = get_quantizer("palettize").quantize(torch.randn(32, 64, generator=g), 3, {})
-    base = QuantLinear(qw, bias=torch.randn(32, generator=g) if bias else None)
-    base.requires_grad_(False)
-    w = _frozen_weight(base, torch.float32)
-    assert w is not None and torch.equal(w, base.dequantize(torch.float32))
-    x = torch.randn(5, 64, generator=g, requires_grad=True)
-    a = torch.randn(3, 64, generator=g, requires_grad=True)
-    b = torch.randn(32, 3, generator=g, requires_grad=True)
-    gy = torch.randn(5, 32, generator=g)
-    y = LoraLinear.apply(x, w, base.bias, a, b, 0.5)
-    y.backward(gy)
-    ref = [t.detach().double().requires_grad_(True) for t in (x, a, b)]
-    bias64 = 0 if base.bias is None else base.bias.double()
-    y64 = ref[0] @ w.double().t() + bias64 + 0.5 * (ref[0] @ ref[1].t()) @ ref[2].t()
-    y64.backward(gy.double())
-    assert _close(y.detach().double(), y64.detach()) < 1e-6
-    for got, want in zip((x, a, b), ref):
-        assert _close(got.grad.double(), want.grad) < 1e-6
-    assert base.bias is None or base.bias.grad is None
-
-
-def test_lora_linear_node_keeps_to_peft_where_the_base_is_not_frozen_plain():
-    """A trained base weight, a hooked base or ``QRECOVER_KERNELS=1`` on a packed base: no stand-in weight."""
-    from qrecover.qlinear import QuantLinear
-    from qrecover.recovery.fused_layers import _frozen_weight
-    from qrecover.schemes import get_quantizer
-
-    lin = torch.nn.Linear(4, 3)
-    assert _frozen_weight(lin, torch.float32) is None  # its weight trains
-    lin.requires_grad_(False)
-    assert _frozen_weight(lin, torch.bfloat16).dtype == torch.bfloat16
-    h = lin.register_forward_hook(lambda *a: None)
-    assert _frozen_weight(lin, torch.float32) is None
-    h.remove()
-    q = QuantLinear(get_quantizer("palettize").quantize(torch.randn(32, 64), 3, {}))
-    mp = pytest.MonkeyPatch()
-    mp.setenv("QRECOVER_KERNELS", "1")
-    try:
-        assert _frozen_weight(q, torch.float32) is None
-    finally:
-        mp.undo()
-    assert _frozen_weight(q, torch.float32) is not None
 
 
 def test_fused_lora_leaves_dropout_and_disabled_adapters_to_peft():

@@ -38,6 +38,7 @@ def test_tiny_run_reports_steady_state_warmup_and_counts(tmp_path):
     steady_s = row["train_s"] - row["warmup_s"]
     assert abs(row["tok_per_s"] - (row["tokens"] / 2) / steady_s) <= 1e-6 * row["tok_per_s"]
     assert row["syncs_per_step"] == 0 and row["dispatches_per_step"] > 100
+    assert sum(row["ops_per_step"].values()) == row["dispatches_per_step"]
     assert row["attention"] == "qrecover_causal_sdpa"
     assert set(result["projection_hours"]) == {"1e+09 tokens, 1 GPU(s)", "1e+09 tokens, 8 GPU(s)",
                                                 "1e+10 tokens, 1 GPU(s)", "1e+10 tokens, 8 GPU(s)"}
@@ -48,4 +49,6 @@ def test_over_budget_exits_1_and_bad_options_exit_2(tmp_path):
     assert p.returncode == 1 and "OVER BUDGET" in p.stdout, p.stderr[-2000:]
     p = _run("--micro-batch", "x", "--out", str(tmp_path / "bad"))
     assert p.returncode == 2 and "--micro-batch 'x'" in p.stderr
+    p = _run("--micro-batch", "4,0", "--out", str(tmp_path / "bad"))
+    assert p.returncode == 2 and "--micro-batch '4,0' must be 'auto' or positive integers" in p.stderr
     assert not (tmp_path / "bad").exists()

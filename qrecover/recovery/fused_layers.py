@@ -15,12 +15,6 @@ the rest in elementwise kernels over activation-sized tensors: 855 multiplies (4
   liger-kernel is installed (``pip install qrecover[train-gpu]``), on module instances only and only while training
   (Liger's own ``apply_liger_kernel_to_*`` patches transformers' classes for the whole process).
 
-While gradients are recorded, a plain LoRA projection on a frozen dense or packed base runs as one autograd node
-(:class:`LoraLinear`) instead of PEFT's chain of modules and casts: its backward computes the input's gradient as
-``gy W + s (gy B) A`` with the adapter's part added in the second GEMM's epilogue (no output-sized add), and the host
-dispatches about half as many operators per projection (counted per step by ``benchmarks/train_speed.py --tiny``):
-what the host spends per step bounds a GPU step once its kernels are fast.
-
 Both keep the numbers (the same operations, fused; tests compare outputs and gradients with the unfused layers).
 """
 
@@ -48,52 +42,9 @@ def _plain_lora(m: nn.Module) -> bool:
             and all(isinstance(d, nn.Identity) for d in m.lora_dropout.values()))
 
 
-class LoraLinear(torch.autograd.Function):
-    """``y = x W^T + b + s (x A^T) B^T`` for a frozen ``W`` (and ``b``) as one autograd node, every tensor already
-    in the compute dtype. Backward: ``gx = gy W + s (gy B) A`` (the second product added in its GEMM's epilogue),
-    ``gA = s (gy B)^T x``, ``gB = s gy^T (x A^T)``; saves ``x`` and ``x A^T`` as PEFT's graph does."""
-
-    @staticmethod
-    def forward(ctx, x, w, bias, a, b, scale: float):
-        h = x @ a.t()
-        y = torch.addmm(bias, x, w.t()) if bias is not None else x @ w.t()
-        y.addmm_(h, b.t(), alpha=scale)
-        ctx.save_for_backward(x, w, a, b, h)
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w, a, b, h = ctx.saved_tensors
-        s = ctx.scale
-        gh = gy @ b  # (n, r): the adapter's share of the gradient, unscaled
-        gx = torch.addmm(gy @ w, gh, a, alpha=s) if ctx.needs_input_grad[0] else None
-        ga = torch.mm(gh.t(), x).mul_(s) if ctx.needs_input_grad[3] else None
-        gb = torch.mm(gy.t(), h).mul_(s) if ctx.needs_input_grad[4] else None
-        return gx, None, None, ga, gb, None
-
-
-def _frozen_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
-    """The frozen base's dense weight in ``dtype`` (a packed layer's cached dense copy), or None where :class:`LoraLinear`
-    must not stand in for it: a trained weight or bias, tuned packed tensors, hooks, or ``QRECOVER_KERNELS=1``."""
-    from .. import kernels
-    from ..qlinear import QuantLinear
-
-    if base._forward_hooks or base._forward_pre_hooks or (base.bias is not None and base.bias.requires_grad):
-        return None
-    if isinstance(base, QuantLinear):
-        if base._masters or kernels.mode() == "1":
-            return None
-        return base.dequantize(dtype)
-    if type(base) is nn.Linear and not base.weight.requires_grad:
-        return base.weight.to(dtype)
-    return None
-
-
 def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT's LoRA forward as one :class:`LoraLinear` node while gradients are recorded, else with ``scaling`` and
-    the add inside one ``addmm_`` (PEFT's own forward where anything else is asked: several or disabled adapters,
-    merged weights, per-sample adapter names, mixed dtypes)."""
+    """PEFT's LoRA forward with ``scaling`` and the add inside one ``addmm_`` (PEFT's own forward where anything
+    else is asked: several or disabled adapters, merged weights, per-sample adapter names, mixed dtypes)."""
     name = next(iter(self.lora_A))
     lora_a = self.lora_A[name]
     autocast = torch.is_autocast_enabled(x.device.type)
@@ -101,17 +52,6 @@ def _lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             or not (autocast or x.dtype == lora_a.weight.dtype)):
         return type(self).forward(self, x, *args, **kwargs)
     x2 = x.reshape(-1, x.shape[-1])
-    lora_b = self.lora_B[name]
-    if torch.is_grad_enabled() and not (lora_a._forward_hooks or lora_a._forward_pre_hooks or lora_b._forward_hooks
-                                        or lora_b._forward_pre_hooks or lora_a.bias is not None or lora_b.bias is not None):
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-        w = _frozen_weight(self.base_layer, dtype)
-        if w is not None:
-            bias = self.base_layer.bias
-            with torch.autocast(x.device.type, enabled=False):
-                out = LoraLinear.apply(x2.to(dtype), w, None if bias is None else bias.to(dtype),
-                                       lora_a.weight.to(dtype), lora_b.weight.to(dtype), float(self.scaling[name]))
-            return out.reshape(*x.shape[:-1], out.shape[-1])
     result = self.base_layer(x2)
     a = lora_a(x2)
     if result.dtype != a.dtype or result._base is not None:  # as PEFT computes it
