@@ -73,8 +73,9 @@ def summary(rows: list[dict], configs: list[str], domains: list[str]) -> list[st
             v = [ratio(r, d) for r in mine]
             sd = statistics.stdev(v) if len(v) > 1 else float("nan")
             cells.append(f"{statistics.mean(v):.3f} ± {sd:.3f} ({min(v):.3f}-{max(v):.3f})")
-        wall = statistics.mean(r["wall_s"] for r in mine)
-        lines.append(f"| {c} | {len(mine)} | " + " | ".join(cells) + f" | {wall:.0f} |")
+        timed = [r["wall_s"] for r in mine if r["wall_s"] == r["wall_s"]]  # (NaN: a row scored, not compressed, here)
+        wall = f"{statistics.mean(timed):.0f} ({len(timed)} runs)" if timed else "-"
+        lines.append(f"| {c} | {len(mine)} | " + " | ".join(cells) + f" | {wall} |")
     base = configs[0]
     lines += ["", f"Paired against `{base}` (the same draw on both sides): mean difference of the ratio, and draws on "
               "which it is worse.", "", "| configuration | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -164,7 +165,8 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: (list(configs).index(r["config"]), r["draw"])):
         lines.append(f"| {r['config']} | `{r['args']}` | {r['draw']} | {r['ratio']['python-docs']:.3f} | "
                      + " | ".join(f"{r['ratio'][d]:.3f}" for d in HELD_OUT)
-                     + f" | {max(r['ratio'][d] for d in HELD_OUT):.3f} | {r['wall_s']:.0f} |")
+                     + f" | {max(r['ratio'][d] for d in HELD_OUT):.3f} | "
+                     + (f"{r['wall_s']:.0f} |" if r["wall_s"] == r["wall_s"] else "- |"))
     if args.note:
         lines += ["", args.note]
     args.out.parent.mkdir(parents=True, exist_ok=True)
