@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,8 +43,9 @@ def make_draws(root: Path, draws: int) -> list[str]:
     for k in range(1, draws):
         d = root / f"draw{k}"
         if not d.is_dir():
-            tmp = root / f".draw{k}.partial"
-            tmp.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".draw{k}.partial"  # renamed when complete: an interrupted run leaves no half draw in use
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
             for j, (_, f) in enumerate(train[k - 1::draws - 1]):
                 salt = 0
                 while _bucket(f"doc{j:04d}-{salt}.txt")[0] not in SPLITS["calib"]:
@@ -54,11 +56,15 @@ def make_draws(root: Path, draws: int) -> list[str]:
     return out
 
 
+def ratio(row: dict, col: str, domains: list[str]) -> float:
+    """A row's ratio to the original in column ``col``: a domain's, or ``worst`` (the largest of ``domains``)."""
+    return max(row["ratio"][d] for d in domains) if col == "worst" else row["ratio"][col]
+
+
 def summary(rows: list[dict], configs: list[str], domains: list[str]) -> list[str]:
     """Per configuration: mean, sd and range of each ratio over the draws; against the first configuration, the mean
-    paired difference and on how many draws it is worse."""
-    def ratio(r, d):
-        return max(r["ratio"][x] for x in domains) if d == "worst" else r["ratio"][d]
+    paired difference and on how many draws it is worse. A row's ``wall_s`` is None where it was not compressed
+    by this script (resumed from a checkpoint on disk, or scored elsewhere)."""
 
     cols = ["python-docs", *domains, "worst"]
     by = {(r["config"], r["draw"]): r for r in rows}
@@ -70,10 +76,10 @@ def summary(rows: list[dict], configs: list[str], domains: list[str]) -> list[st
             continue
         cells = []
         for d in cols:
-            v = [ratio(r, d) for r in mine]
+            v = [ratio(r, d, domains) for r in mine]
             sd = statistics.stdev(v) if len(v) > 1 else float("nan")
             cells.append(f"{statistics.mean(v):.3f} ± {sd:.3f} ({min(v):.3f}-{max(v):.3f})")
-        timed = [r["wall_s"] for r in mine if r["wall_s"] == r["wall_s"]]  # (NaN: a row scored, not compressed, here)
+        timed = [r["wall_s"] for r in mine if r["wall_s"] is not None]
         wall = f"{statistics.mean(timed):.0f} ({len(timed)} runs)" if timed else "-"
         lines.append(f"| {c} | {len(mine)} | " + " | ".join(cells) + f" | {wall} |")
     base = configs[0]
@@ -85,7 +91,7 @@ def summary(rows: list[dict], configs: list[str], domains: list[str]) -> list[st
             continue
         cells = []
         for d in cols:
-            diff = [ratio(b, d) - ratio(a, d) for a, b in pairs]
+            diff = [ratio(b, d, domains) - ratio(a, d, domains) for a, b in pairs]
             cells.append(f"{statistics.mean(diff):+.3f} (worse {sum(x > 0 for x in diff)}/{len(diff)})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
@@ -153,8 +159,6 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     rows = [r for r in state["rows"] if r["config"] in configs]
-    for r in rows:  # a row resumed from an existing checkpoint has no wall time of its own
-        r["wall_s"] = r["wall_s"] or float("nan")
     lines = ["# Calibration-draw noise of held-out quality (benchmarks/calib_noise.py)", "",
              f"`qrecover compress --bpw {args.bpw}` on {args.draws} disjoint calibration draws per configuration; ratios "
              f"of perplexity to the original's (python-docs: 32 x 512 tokens of the eval split; {', '.join(HELD_OUT)}: "
@@ -165,8 +169,8 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: (list(configs).index(r["config"]), r["draw"])):
         lines.append(f"| {r['config']} | `{r['args']}` | {r['draw']} | {r['ratio']['python-docs']:.3f} | "
                      + " | ".join(f"{r['ratio'][d]:.3f}" for d in HELD_OUT)
-                     + f" | {max(r['ratio'][d] for d in HELD_OUT):.3f} | "
-                     + (f"{r['wall_s']:.0f} |" if r["wall_s"] == r["wall_s"] else "- |"))
+                     + f" | {ratio(r, 'worst', list(HELD_OUT)):.3f} | "
+                     + ("- |" if r["wall_s"] is None else f"{r['wall_s']:.0f} |"))
     if args.note:
         lines += ["", args.note]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,9 @@ from qrecover.data.corpus import PYTHON_DOCS, SPLITS, _bucket, documents, source
 
 @pytest.mark.skipif(not PYTHON_DOCS.is_dir(), reason="the Python docs (python3.11-doc) are not installed")
 def test_draws_are_disjoint_train_documents_that_all_land_in_the_calib_split(tmp_path):
+    stale = tmp_path / ".draw1.partial"  # an interrupted run's half-built draw is rebuilt, not reused
+    stale.mkdir()
+    (stale / "stale.txt").write_text("not a train document")
     sources = make_draws(tmp_path, 4)
     assert sources[0] == "python-docs" and len(sources) == 4
     train = {f.resolve() for f in source_files("python-docs")[1]
@@ -26,7 +29,7 @@ def test_draws_are_disjoint_train_documents_that_all_land_in_the_calib_split(tmp
     for src in sources[1:]:
         files = sorted(Path(src).iterdir())
         targets = {f.resolve() for f in files}
-        assert targets <= train and not targets & seen
+        assert targets <= train and not targets & seen, "a draw holds a file outside the train split or another draw's"
         seen |= targets
         assert len(documents(src, "calib")) == len([f for f in files if f.read_text(errors="replace").strip()])
     assert seen == train  # every train document in exactly one draw
