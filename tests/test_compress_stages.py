@@ -398,6 +398,37 @@ def test_finalize_sees_quantized_inputs(tiny_model_dir):
     assert not torch.allclose(calls["model.layers.1.self_attn.q_proj"]["hessian"], (x.T @ x / x.shape[0]).float(), rtol=1e-3)
 
 
+def test_finalize_multiplies_each_linear_once_per_window(tiny_model_dir, monkeypatch):
+    """Finalize's passes multiply each linear once per window with its final weights, plus once for each of
+    the single-window forwards per layer (grouping the linears, checking the attention block's replay, checking the
+    output correction, which runs with the attention block replayed), and the correction adds one product of
+    down_proj's shape per window: a pass that only wants a group's inputs does not multiply the group (the code
+    before 2026-11-29's fifth session did: q/k/v and gate/up twice, o_proj three times per window). The packed
+    weights are the same bits either way (tests/test_architectures.py's 17 models, the quick start's sha256)."""
+    model, _ = _model_and_windows(tiny_model_dir)
+    windows = torch.randint(0, 2000, (6, 24), generator=torch.Generator().manual_seed(2))
+    short = {m.weight: n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    calls: dict[str, int] = {}
+    real = torch.nn.functional.linear
+
+    def counted(x, w, b=None):
+        key = short.get(w, "delta" if w.shape == model.model.layers[0].mlp.down_proj.weight.shape else "?")
+        calls[key] = calls.get(key, 0) + 1
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", counted)
+    names = [f"model.layers.{i}.{n}" for i, l in enumerate(decoder_layers(model)) for n in linear_layers(l)]
+    enc = parse_encoding("gptq:4/g32/asym")
+    _, info = finalize(model, windows, {n: enc for n in names}, {}, None, "cpu", False)
+    layers = len(decoder_layers(model))
+    assert info["outputs_corrected"] == f"{layers}/{layers} layers" and info["blocks_replayed"] == layers
+    heads = {k: v for k, v in calls.items() if k not in ("delta", "?")}
+    # the correction's check runs with the attention block replayed (its output kept from the pass before)
+    assert heads == {**{n: layers * (len(windows) + 2) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                     **{n: layers * (len(windows) + 3) for n in ("gate_proj", "up_proj", "down_proj")}}
+    assert calls.get("delta") == layers * len(windows) and "?" not in calls
+
+
 def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
     assert parse_encodings("mixed-awq") == parse_encodings(PRESETS["mixed-awq"])

@@ -65,9 +65,11 @@ def _replay(layer: nn.Module, parent: nn.Module, linear: nn.Module, inputs: list
             shape: tuple) -> Iterator[None]:
     """While active, ``parent`` (whose output is ``linear``'s, :func:`_replayable`) is not run: for window ``j`` of
     ``hidden`` (told apart by the layer input it is called on) its output is ``linear(inputs[j])``, bit for bit what
-    it would compute once ``linear``'s own input no longer changes, i.e. once everything before it is quantized."""
+    it would compute once ``linear``'s own input no longer changes, i.e. once everything before it is quantized.
+    Computed once per window and handed to every later pass of the layer (``linear`` is final by then)."""
     index = {id(h): j for j, h in enumerate(hidden)}
     current: list[int | None] = [None]
+    done: dict[int, Any] = {}  # window -> the block's output: later passes of the layer take it again
 
     def pre(_m, args, kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
@@ -79,8 +81,11 @@ def _replay(layer: nn.Module, parent: nn.Module, linear: nn.Module, inputs: list
     def forward(*args, **kwargs):
         if current[0] is None:  # a window this replay has no input for
             return real(*args, **kwargs)
-        y = linear(inputs[current[0]])
-        return (y, *shape[1:]) if shape else y
+        j = current[0]
+        if j not in done:
+            y = linear(inputs[j])
+            done[j] = (y, *shape[1:]) if shape else y
+        return done[j]
 
     handle = layer.register_forward_pre_hook(pre, with_kwargs=True)
     parent.forward = forward
