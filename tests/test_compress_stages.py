@@ -429,6 +429,27 @@ def test_finalize_multiplies_each_linear_once_per_window(tiny_model_dir, monkeyp
     assert calls.get("delta") == layers * len(windows) and "?" not in calls
 
 
+def test_not_computed_linears_give_zeros_of_their_shape_and_are_restored():
+    """While a statistics pass only wants their inputs, linears return zeros of their output's shape (their hooks
+    still see the input); afterwards each computes again, an instance-level forward (an offloading hook's) put back."""
+    from qrecover.calibrate import _not_computed
+
+    a, b = torch.nn.Linear(8, 5), torch.nn.Linear(8, 3)
+    wrapped = b.forward
+    b.forward = lambda x: wrapped(x) + 1  # as an offloading hook installs its own forward on the instance
+    x = torch.randn(2, 4, 8)
+    seen = []
+    hook = a.register_forward_hook(lambda _m, inp, _out: seen.append(inp[0]))
+    with _not_computed([a, b]):
+        ya, yb = a(x), b(x)
+        assert ya.shape == (2, 4, 5) and yb.shape == (2, 4, 3) and not ya.any() and not yb.any()
+    hook.remove()
+    assert seen[0] is x
+    assert "forward" not in a.__dict__
+    torch.testing.assert_close(a(x), x @ a.weight.T + a.bias)
+    torch.testing.assert_close(b(x), x @ b.weight.T + b.bias + 1)
+
+
 def test_presets_expand_to_their_menus_and_mix_with_specs():
     assert parse_encodings("afm") == linear_encodings("palettize", [2, 3, 4], {}, None)
     assert parse_encodings("mixed-awq") == parse_encodings(PRESETS["mixed-awq"])
