@@ -35,15 +35,21 @@ def test_dot_decode_matches_float64(interp, scheme, bits, params):
         modes += (gemv.LUT_REGS, gemv.LUT_REGS_NIBBLES)  # per row, planes padded to 8 words)
     if scheme == "palettize" and bits == 4:  # register tables on the stored codes (nibbles already)
         modes += (gemv.LUT_REGS,)
+    if scheme == "blockwise" and bits == 4:  # the codes as fp16 pairs (fp16 activations only)
+        modes += (gemv.BLOCKWISE_H2,)
     for i, batch in enumerate(BATCHES):
         dtype, tol = ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.5e-2))[i % 3]
         x = torch.randn(batch, 192, device=DEV).to(dtype)
         bm = 16 if batch <= 16 else min(64, 1 << (batch - 1).bit_length())
         for j, mode in enumerate(modes):
-            if mode >= gemv.LUT_REGS and i % 2:  # register tables (the interpreter's slowest): batches 5, 16 and 64
+            if scheme == "blockwise" and mode == gemv.BLOCKWISE_H2:
+                if dtype != torch.float16:
+                    continue
+            elif mode >= gemv.LUT_REGS and i % 2:  # register tables (the interpreter's slowest): batches 5, 16 and 64
                 continue
             bk = 32 if (i + j) % 2 or fmt.cblock % 64 else 64
-            cfg = interp.DotDecode(bm, 32, bk, 1 + (i + j) % 3, True, 4, 1, asm=mode >= gemv.LUT_REGS, lut=mode)
+            cfg = interp.DotDecode(bm, 32, bk, 1 + (i + j) % 3, True, 4, 1, asm=scheme == "palettize" and mode >= gemv.LUT_REGS,
+                                   lut=mode)
             y = kernels.fused_linear(layer, x, config=cfg)
             assert y.shape == (batch, fmt.out_f) and y.dtype == dtype
             assert rel_err(y, ref64(layer, x)) < tol, (scheme, bits, params, batch, mode, cfg)
@@ -59,6 +65,51 @@ def test_3bit_codes_decode_exactly_in_the_dot_kernel(interp):
         y = kernels.fused_linear(layer, torch.eye(64, device=DEV),
                                  config=interp.DotDecode(64, 16, 32, 2, True, asm=lut >= 3, lut=lut))
         assert torch.equal(y.cpu(), codes.T), lut
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_blockwise_fp16_pairs_decode_the_same_weights_in_the_dot_kernel(interp, symmetric):
+    """Blockwise 4-bit codes as fp16 pairs (gemv.BLOCKWISE_H2) at batch 5-64: one-hot fp16 rows read every weight back,
+    bit for bit the fp32 decode's (c - z) * s rounded to fp16, through the permuted column order; other
+    activations, widths or dtypes are refused with the fix named."""
+    from qrecover.kernels import gemv
+    layer = make_layer("blockwise", 4, 40, 192, bias=False, block_size=64, symmetric=symmetric)
+    eye = torch.eye(192, device=DEV, dtype=torch.float16)
+    for rows in (slice(0, 64), slice(64, 128), slice(128, 192)):
+        x = eye[rows]
+        want = kernels.fused_linear(layer, x, config=interp.DotDecode(64, 32, 64, 1, True, 4, 1))
+        got = kernels.fused_linear(layer, x, config=interp.DotDecode(64, 32, 64, 3, True, 4, 1, lut=gemv.BLOCKWISE_H2))
+        assert torch.equal(got, want) and got.abs().sum() > 0
+    with pytest.raises(ValueError, match="fp16 activations.*use lut -1"):
+        kernels.fused_linear(layer, eye[:16].bfloat16(), config=interp.DotDecode(16, 32, 64, 1, True, 4, 1, lut=gemv.BLOCKWISE_H2))
+    fmt = layer_format(layer)
+    second = [c for c in interp.candidate_configs(fmt, 16, fp16=True) if isinstance(c, interp.DotDecode)][1]
+    assert second.lut == gemv.BLOCKWISE_H2 and second.asm
+    assert gemv.BLOCKWISE_H2 not in {c.lut for c in interp.candidate_configs(fmt, 16) if isinstance(c, interp.DotDecode)}
+
+
+_H2_PTX = """
+import json
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv, qmm_dot
+out = {}
+for label, sig, const, opts in cc.dot_variants("default"):
+    if const["SCHEME"] == 1 and const["BITS"] == 4 and not const["HAS_ZP"] and const["BLOCK_M"] == 16 and const["BLOCK_K"] == 64:
+        ptx = cc._compile(qmm_dot._dot_decode_kernel, sig, const, GPUTarget("cuda", 90, 32), **opts).asm["ptx"]
+        out[label] = [ptx.count("lop3.b32"), ptx.count("cvt.rn.f16.f32") + ptx.count("cvt.rn.f16x2.f32")]
+print(json.dumps(out))
+"""
+
+
+def test_blockwise_fp16_pairs_compile_without_a_conversion_per_weight():
+    """Compiled for sm_90 (no GPU needed): the fp16 pair mode's inline ``lop3`` makes each pair of weights, and no weight
+    is converted from fp32 to fp16 (the fp32 decode converts every one: a conversion per two weights at least)."""
+    from test_gemv import _compiled
+    counts = _compiled(_H2_PTX)
+    plain = counts["blockwise-4 fp16 dot-decode 16x64x64 w4"]
+    h2 = counts["blockwise-4 fp16 dot-decode 16x64x64 h2 asm w4"]
+    assert h2[1] == 0 and plain[1] >= 64 * 64 // 2 // 128, counts  # a 64x64 tile over 128 threads
+    assert h2[0] >= 64 * 64 // 2 // 128, counts  # one lop3 per pair of weights
 
 
 @pytest.mark.parametrize("batch", [5, 8, 16, 17, 33, 64])

@@ -175,7 +175,7 @@ def dot_variants(level: str):
                (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
                (1, 4, False, 0), (1, 4, True, 0), (1, 8, False, 0), (0, 3, False, gemv.LUT_REGS),
                (0, 3, False, gemv.LUT_REGS_NIBBLES), (0, 2, False, gemv.LUT_REGS), (0, 2, False, gemv.LUT_REGS_NIBBLES),
-               (0, 4, False, gemv.LUT_REGS)]
+               (0, 4, False, gemv.LUT_REGS), (1, 4, False, gemv.BLOCKWISE_H2), (1, 4, True, gemv.BLOCKWISE_H2)]
     if level != "all":
         formats = [f for f in formats if f[:3] in ((0, 3, False), (0, 4, False), (1, 4, False), (1, 3, True))]
     tiles = [(16, 64, 64, 4, 1), (16, 64, 128, 4, 1), (64, 128, 64, 8, 1)]
@@ -183,8 +183,11 @@ def dot_variants(level: str):
         formats, tiles = formats[:1], tiles[:1]
     for dt in dtypes:
         for scheme, bits, zp, lut in formats:
+            if scheme == 1 and lut == gemv.BLOCKWISE_H2 and dt != "fp16":  # fp16 pairs: fp16 activations only
+                continue
             # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
-            asms = (False, True) if scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS) else (False,)
+            asms = (False, True) if (scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS)) or lut == gemv.BLOCKWISE_H2 \
+                else (False,)
             for (bm, bn, bk, warps, stages), asm in [(t, a) for t in tiles for a in asms]:
                 lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
@@ -193,9 +196,10 @@ def dot_variants(level: str):
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, IEEE=dt == "fp32", ASM=asm,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=lut >= gemv.LUT_REGS)
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
-                lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles")[lut] if scheme == 0 else ""
+                lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles")[lut] if scheme == 0 else (
+                    " h2" if lut == gemv.BLOCKWISE_H2 else "")
                 yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const,
                        dict(num_warps=warps, num_stages=stages))
 

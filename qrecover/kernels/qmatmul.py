@@ -192,11 +192,12 @@ def _pow2_at_least(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
+def candidate_configs(fmt: Format, m: int, fp32: bool = False, fp16: bool = False) -> list[Config]:
     """The small config list for this format and batch, best guess first (used alone under the interpreter).
 
     ``fp32``: fp32 activations, whose full-precision ``tl.dot`` has no tensor cores and needs small tiles
-    (sm_90 compile: 16x64x32 and 32x64x32 fit in registers, 64x64x32 and 64x128x64 spill).
+    (sm_90 compile: 16x64x32 and 32x64x32 fit in registers, 64x64x32 and 64x128x64 spill). ``fp16``: fp16
+    activations (blockwise 4-bit codes may then be decoded as fp16 pairs at batch 5-64).
     """
     ks = [bk for bk in (128, 64, 256, 32) if fmt.cblock % bk == 0]
     if fp32 and m > 4:
@@ -219,12 +220,12 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False) -> list[Config]:
                     out += [Config(bm, bn, bk, s, True, warps, stages) for s in (1, 2)]
         out = out or [Config(16, 64, ks[-1], 1, True)]
     if m <= 64:  # the decode-and-dot kernel (qmm_dot.py) first, then the two kinds in turn
-        dec = _dot_decode_configs(fmt, m, ks)
+        dec = _dot_decode_configs(fmt, m, ks, fp16)
         out = [c for i in range(max(len(dec), len(out))) for c in dec[i:i + 1] + out[i:i + 1]]
     return [c for c in out if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
 
 
-def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
+def _dot_decode_configs(fmt: Format, m: int, ks: list[int], fp16: bool = False) -> list[Config]:
     """Batch 5-64 candidates of :mod:`.qmm_dot` (a weight tile decoded once for ``BLOCK_M`` rows), split-K sized to
     fill the SMs twice over; ``num_stages=1``: the words are prefetched by hand, and the pipeliner would route the
     table look-ups through shared memory (``compile_check --isa``)."""
@@ -247,6 +248,10 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         # (4.3-5.7 against 4.4-6.0 for pair tables and 7.2-9.1 for fp32 tables, 0.1 global loads per weight against 0.6-1.1)
         mode = gemv.LUT_REGS if fmt.bits == 4 else gemv.LUT_REGS_NIBBLES
         out.insert(1, dataclasses.replace(out[0], asm=True, lut=mode))
+    if fmt.scheme == 1 and fmt.bits == 4 and fp16:  # the codes as fp16 pairs (a shift and one lop3 per two weights) of
+        # the first tile, second (2026-11-29, fifth session; never timed on a GPU): 4.3-5.4 thread instructions per
+        # weight against 7.2-8.1 (compile_check --isa, sm_90, triton 3.6)
+        out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.BLOCKWISE_H2))
     return out
 
 
@@ -357,6 +362,11 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
             gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
         else:
             mode = (gemv.lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else gemv.LUT_FP16
+            if fmt.scheme == 1 and cfg.lut == gemv.BLOCKWISE_H2:
+                if fmt.bits != 4 or x.dtype != torch.float16:
+                    raise ValueError(f"the fp16 pair mode of blockwise layers (lut {gemv.BLOCKWISE_H2}) takes 4-bit codes "
+                                     f"and fp16 activations, got {fmt.bits}-bit and {x.dtype}; use lut -1")
+                mode = gemv.BLOCKWISE_H2
             lut = lut.view(torch.int64) if mode == gemv.LUT_PAIRS else lut
             qmm_dot.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, mode, _ieee_dot(x.dtype))
     else:
@@ -388,7 +398,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
     if key in _TUNED:
         return _TUNED[key]
-    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32)
+    configs = candidate_configs(fmt, x.shape[0], x.dtype == torch.float32, x.dtype == torch.float16)
     if not gemv.fp16_chains_allowed(x):  # fp16 pair FMAs: fp16 activations, and torch's reduced-precision switch on
         configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
     if tensors["qdata"].nbytes > dispatch.DENSE_FREE_FRACTION * dispatch.free_memory(x.device):  # no room for a

@@ -7,7 +7,10 @@ tables read per weight from L1 (fp32 singles or the stored fp16) or per *two* we
 64-bit load; 2/3/4-bit, 3-bit as 6-bit fields of a 96-bit group); ``ASM``: tables and the strided 3-bit words read
 through inline PTX (``ld.global.nc``); the next tile's words prefetched. The per-position values ``(BN, NW)`` are
 joined (``tl.join``, in-thread) into the tile ``(BN, NW, CPG)`` and reshaped to ``(BN, BLOCK_K)`` in column order.
-Blockwise: ``(c - z) * s`` with the code made a float through its bits (exact), as the reference rounds it.
+Blockwise: ``(c - z) * s`` with the code made a float through its bits (exact), as the reference rounds it; 4-bit
+codes with fp16 activations also as fp16 pairs (``LUT`` 5, :data:`.gemv.BLOCKWISE_H2`): nibbles ``i`` and ``i + 4``
+of a word are ``(1024 + c_i, 1024 + c_i+4)`` by their bits (a shift, an and, an or per two weights), then ``c - z`` and
+``* s`` in fp16, the same rounding as the fp32 path's (the pairs put back in position order in-thread).
 
 Selected by a :class:`DotDecode` config (the tuner times it beside the shared kernel's configs).
 """
@@ -21,7 +24,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _selectors, _store_tile, row_words
+from .gemv import _and_or, _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _selectors, _store_tile, row_words
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,12 @@ def _leaf(w0, w1, w2, tab, planes, P: tl.constexpr, SCHEME: tl.constexpr, BITS: 
     register tables: the looked-up pair split by its bits, no conversion); ``tab (BN,)``: each row's table
     (palettize); ``planes``: its register-table byte planes (``LUT`` 3/4, :func:`.gemv._regs_pairs`; the quad's
     look-up is shared by its two leaves: pure inline asm, merged by the compiler)."""
-    if LUT >= 3:
+    if SCHEME == 1 and LUT == 5:  # blockwise 4-bit as fp16 pairs (gemv.BLOCKWISE_H2): codes i and i + 4, i = P / 2
+        # (1024 + c_i, 1024 + c_i+4) by their bits, exact: a shift and one lop3 (ASM)
+        pair = _and_or((w0 >> (2 * P)).to(tl.uint32, bitcast=True), 0x000F000F, 0x64006400, ASM).to(tl.int32, bitcast=True)
+        va = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        vb = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    elif LUT >= 3:
         sel, half = _selectors(_octet(w0, w1, w2, P // 8, BITS, LUT == 4), BITS, ASM)
         SH: tl.constexpr = 16 * ((P // 4) % 2)  # the word's second four codes: selectors shifted by 16
         pp, pq = _regs_pairs(sel >> SH, half >> SH, planes[0], planes[1], planes[2], planes[3], planes[4], planes[5],
@@ -82,6 +90,16 @@ def _span(w0, w1, w2, tab, planes, P: tl.constexpr, COUNT: tl.constexpr, SCHEME:
 
 
 @triton.jit
+def _pairs_tile(w0, ASM: tl.constexpr):
+    """Blockwise 4-bit words ``(BN, NW)`` as the fp16 values ``1024 + c`` of their eight codes, ``(BN, NW, 8)`` in
+    position order: four leaves of pairs ``(c_i, c_i+4)`` joined and put in order in-thread (no data movement)."""
+    a = tl.join(_leaf(w0, w0, w0, 0, 0, 0, 1, 4, 5, ASM), _leaf(w0, w0, w0, 0, 0, 2, 1, 4, 5, ASM))  # [h, j]: c_(j + 4h)
+    b = tl.join(_leaf(w0, w0, w0, 0, 0, 4, 1, 4, 5, ASM), _leaf(w0, w0, w0, 0, 0, 6, 1, 4, 5, ASM))  # c_(2 + j + 4h)
+    t = tl.permute(tl.join(a, b), (0, 1, 2, 4, 3))  # (BN, NW, h, g, j): c_(4h + 2g + j)
+    return tl.reshape(t, (t.shape[0], t.shape[1], 8))
+
+
+@triton.jit
 def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks,
                        zp_nbytes, k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr,
                        GROUP: tl.constexpr, CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -103,10 +121,12 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    H2: tl.constexpr = SCHEME == 1 and LUT == 5  # blockwise 4-bit codes as fp16 pairs (fp16 activations; the launch checks)
     PLANES: tl.constexpr = LUT == 4 and BITS == 3  # nibble codes: three contiguous planes per row (gemv.nibble_codes)
     plane = tl.multiple_of(row_words // 3, 4) if PLANES else 0
     planes = (0, 0, 0, 0, 0, 0, 0, 0)
-    if LUT >= 3 and ROW_TABLES:
+    REGS: tl.constexpr = SCHEME == 0 and LUT >= 3  # palettize register tables (LUT 5 on a blockwise layer: H2)
+    if REGS and ROW_TABLES:
         planes = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
     w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -115,12 +135,18 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
                                  plane, PLANES)
         cb = k0 // CBLOCK
         tab = lut_ptr + ((rows64 // GROUP) * n_cblocks + cb) * (1 << (2 * BITS if LUT == 2 else BITS))  # row tables
-        if LUT >= 3 and not ROW_TABLES:  # this tile's column block's tables
+        if REGS and not ROW_TABLES:  # this tile's column block's tables
             tp = _regs_table(lut_ptr, ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)[:, None], BITS, ASM)
         else:
             tp = planes
-        w = tl.reshape(_span(w0, w1, w2, tab, tp, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
-        if SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
+        if H2:
+            w = tl.reshape(_pairs_tile(w0, ASM), (BLOCK_N, BLOCK_K))
+        else:
+            w = tl.reshape(_span(w0, w1, w2, tab, tp, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
+        if H2:  # (1024 + c) - (1024 + z) is c - z exactly in fp16; times s rounded once, as in fp32 then to fp16
+            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
+            w = (w - (zp + 1024.0).to(tl.float16)[:, None]) * scale.to(tl.float16)[:, None]
+        elif SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
             scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
         x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
