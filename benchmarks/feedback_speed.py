@@ -4,7 +4,9 @@
 code assignment, GPTQ) on numpy views of the same memory; False is torch ops throughout, as on a GPU. This times both
 on the default model's (SmolLM2-135M) layer shapes with random weights and a Hessian from random inputs of uneven
 channel scales, the candidates of the quick menu (palettize 2/3/4 whole-row and b192 tables, GPTQ 3/4-bit g64), one
-thread, and checks that every stored tensor is equal.
+thread, and checks that every stored tensor is equal. It also counts, on the torch path (what a GPU runs), the ATen
+dispatches per input column and the host reads of a device value (``HostSyncCounter``): a CPU-side proxy for the
+launches and waits of compression on a GPU, which has not been timed.
 
     python benchmarks/feedback_speed.py            # ~1 min on one core
     python benchmarks/feedback_speed.py --repeat 3 # best of 3 per cell
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from qrecover.recovery.host_sync import HostSyncCounter
 from qrecover.schemes import feedback, get_quantizer
 
 SHAPES = {"q/o/gate/up (576 in)": (1536, 576), "down (1536 in)": (576, 1536), "k/v (576 in)": (192, 576)}
@@ -46,8 +49,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; seconds per layer (all widths of the candidate in one pass)\n")
-    print("| layer (out x in) | candidate | torch ops (s) | numpy steps (s) | speed-up | bytes equal |")
-    print("|---|---|---|---|---|---|")
+    print("| layer (out x in) | candidate | torch ops (s) | numpy steps (s) | speed-up | bytes equal | torch path: dispatches "
+          "per column | host reads |")
+    print("|---|---|---|---|---|---|---|---|")
     totals = [0.0, 0.0]
     for shape_name, (out_f, in_f) in SHAPES.items():
         w, stats = _layer(out_f, in_f)
@@ -60,10 +64,15 @@ def main() -> None:
             same = all(torch.equal(a.tensors[k], b.tensors[k]) for a, b in zip(fast, slow) for k in a.tensors)
             totals[0] += slow_s
             totals[1] += fast_s
-            print(f"| {shape_name}: {out_f} x {in_f} | {cand} | {slow_s:.3f} | {fast_s:.3f} | {slow_s / fast_s:.2f}x | {same} |")
+            feedback.NUMPY_ON_CPU = False
+            with HostSyncCounter() as counted:  # a run of its own: the counting slows it
+                q.quantize_many(w, bits, stats)
+            feedback.NUMPY_ON_CPU = True
+            print(f"| {shape_name}: {out_f} x {in_f} | {cand} | {slow_s:.3f} | {fast_s:.3f} | {slow_s / fast_s:.2f}x | {same} | "
+                  f"{counted.dispatches / in_f:.1f} | {counted.syncs} |")
             if not same:
                 raise SystemExit("the numpy steps changed the bytes")
-    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.2f}x | |")
+    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.2f}x | | | |")
 
 
 if __name__ == "__main__":
