@@ -161,14 +161,7 @@ def _qmm_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr,
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(x.dtype).to(tl.float32)[None, :, :], axis=2)
-    mask = (ms < M)[:, None] & (rows < N)[None, :]
-    offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows_c).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptr + pid_s.to(tl.int64) * stride_os + offs, acc, mask=mask)
+    gemv._store_tile(acc, out_ptr, bias_ptr, ms, rows, rows_c, M, N, stride_om, stride_os, pid_s, DIRECT, HAS_BIAS)
 
 
 @triton.jit
