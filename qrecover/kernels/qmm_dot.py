@@ -9,7 +9,7 @@ through inline PTX (``ld.global.nc``); the next tile's words prefetched. The per
 joined (``tl.join``, in-thread) into the tile ``(BN, NW, CPG)`` and reshaped to ``(BN, BLOCK_K)`` in column order.
 Blockwise: ``(c - z) * s`` with the code made a float through its bits (exact), as the reference rounds it; 4-bit
 codes with fp16 activations also as fp16 pairs (``LUT`` 5, :data:`.gemv.BLOCKWISE_H2`): nibbles ``i`` and ``i + 4``
-of a word are ``(1024 + c_i, 1024 + c_i+4)`` by their bits (a shift, an and, an or per two weights), then ``c - z`` and
+of a word are ``(1024 + c_i, 1024 + c_i+4)`` by their bits (a shift and one ``lop3`` per two weights), then ``c - z`` and
 ``* s`` in fp16, the same rounding as the fp32 path's (the pairs put back in position order in-thread).
 
 Selected by a :class:`DotDecode` config (the tuner times it beside the shared kernel's configs).
@@ -139,16 +139,15 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
             tp = _regs_table(lut_ptr, ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)[:, None], BITS, ASM)
         else:
             tp = planes
-        if H2:
+        if SCHEME == 1:
+            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
+        if H2:  # (1024 + c) - (1024 + z) is c - z exactly in fp16; times s rounded once, as in fp32 then to fp16
             w = tl.reshape(_pairs_tile(w0, ASM), (BLOCK_N, BLOCK_K))
+            w = (w - (zp + 1024.0).to(tl.float16)[:, None]) * scale.to(tl.float16)[:, None]
         else:
             w = tl.reshape(_span(w0, w1, w2, tab, tp, 0, CPG, SCHEME, BITS, LUT, ASM), (BLOCK_N, BLOCK_K))
-        if H2:  # (1024 + c) - (1024 + z) is c - z exactly in fp16; times s rounded once, as in fp32 then to fp16
-            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
-            w = (w - (zp + 1024.0).to(tl.float16)[:, None]) * scale.to(tl.float16)[:, None]
-        elif SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
-            scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
-            w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
+            if SCHEME == 1:  # (c - z) * s: exact in fp32, rounded once to the activation dtype below
+                w = (w - (zp + 8388608.0)[:, None]) * scale[:, None]
         x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
         if IEEE:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
