@@ -6,7 +6,8 @@ on the default model's (SmolLM2-135M) layer shapes with random weights and a Hes
 channel scales, the candidates of the quick menu (palettize 2/3/4 whole-row and b192 tables, GPTQ 3/4-bit g64), one
 thread, and checks that every stored tensor is equal. It also counts, on the torch path (what a GPU runs), the ATen
 dispatches per input column and the host reads of a device value (``HostSyncCounter``): a CPU-side proxy for the
-launches and waits of compression on a GPU, which has not been timed.
+launches and waits of compression on a GPU, which has not been timed; and the same count with the fused block kernel
+that a GPU runs instead of the per-column operators (``qrecover.kernels.feedback_kernel``; its launch stubbed here).
 
     python benchmarks/feedback_speed.py            # ~1 min on one core
     python benchmarks/feedback_speed.py --repeat 3 # best of 3 per cell
@@ -18,6 +19,7 @@ import argparse
 import time
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from qrecover.recovery.host_sync import HostSyncCounter
 from qrecover.schemes import feedback, get_quantizer
@@ -43,6 +45,32 @@ def _time(fn, repeat: int):
     return best, out
 
 
+def _fused_count(fn, in_f: int) -> str:
+    """Operators dispatched and kernel launches per input column with the fused block kernel (what a GPU runs,
+    :mod:`qrecover.kernels.feedback_kernel`), counted on the CPU: the launch is replaced by a stub that counts it and
+    zero-fills its codes (the kernel's arithmetic is tested under the interpreter, tests/test_feedback_kernel.py)."""
+    try:
+        from qrecover.kernels import feedback_kernel
+    except ImportError:
+        return "(triton not installed)"
+    launches = []
+
+    def stub(rule, wb, errs, u, codes, j0, k0, k1):
+        launches.append(1)
+        with _disable_current_modes():
+            codes[j0 + k0:j0 + k1].zero_()
+            errs[k0:k1].zero_()
+
+    real, devices = feedback_kernel.run, feedback.FUSED_DEVICES
+    feedback_kernel.run, feedback.FUSED_DEVICES = stub, {"cpu"}
+    try:
+        with HostSyncCounter() as counted:
+            fn()
+    finally:
+        feedback_kernel.run, feedback.FUSED_DEVICES = real, devices
+    return f"{counted.dispatches / in_f:.2f} + {len(launches) / in_f:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1, help="best of this many runs per cell")
@@ -50,8 +78,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; seconds per layer (all widths of the candidate in one pass)\n")
     print("| layer (out x in) | candidate | torch ops (s) | numpy steps (s) | speed-up | bytes equal | torch path: dispatches "
-          "per column | host reads |")
-    print("|---|---|---|---|---|---|---|---|")
+          "per column | fused block kernel (GPU path): operators + launches per column | host reads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     totals = [0.0, 0.0]
     for shape_name, (out_f, in_f) in SHAPES.items():
         w, stats = _layer(out_f, in_f)
@@ -67,12 +95,13 @@ def main() -> None:
             feedback.NUMPY_ON_CPU = False
             with HostSyncCounter() as counted:  # a run of its own: the counting slows it
                 q.quantize_many(w, bits, stats)
+            fused = _fused_count(lambda: q.quantize_many(w, bits, stats), in_f)
             feedback.NUMPY_ON_CPU = True
             print(f"| {shape_name}: {out_f} x {in_f} | {cand} | {slow_s:.3f} | {fast_s:.3f} | {slow_s / fast_s:.2f}x | {same} | "
-                  f"{counted.dispatches / in_f:.1f} | {counted.syncs} |")
+                  f"{counted.dispatches / in_f:.1f} | {fused} | {counted.syncs} |")
             if not same:
                 raise SystemExit("the numpy steps changed the bytes")
-    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.2f}x | | | |")
+    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.2f}x | | | | |")
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ def test_kernels_compile_for_h100_without_a_gpu():
                        text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "registers" not in line]
-    # 5 dequant-matmul variants + split-K reduce + lora shrink/expand (fp16, int8) + 3 r4 + 2 kd
-    assert len(rows) == 15 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout
+    # 5 dequant-matmul variants + split-K reduce + lora shrink/expand (fp16, int8) + 3 r4 + 2 kd + 2 error feedback
+    assert len(rows) == 17 and all(int(row.split("|")[2]) > 0 for row in rows), r.stdout
+    feedback = [row for row in rows if row.startswith("| error feedback block")]
+    assert len(feedback) == 2 and all(int(row.split("|")[3]) == 0 for row in feedback), r.stdout
     lora = [row for row in rows if row.startswith("| lora ")]
     assert len(lora) == 4 and all(int(row.split("|")[3]) == 0 for row in lora), r.stdout  # int8 variants too, no spill
     r4 = [row for row in rows if row.startswith("| r4 rotation 1536")]

@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import fwht, gemv, isa, kd_loss, multi_adapter_kernels, qmatmul, qmm_dot
+from . import feedback_kernel, fwht, gemv, isa, kd_loss, multi_adapter_kernels, qmatmul, qmm_dot
 
 _INTS = ("M", "N", "K", "n_cblocks", "zp_nbytes", "k_split", "stride_xm", "stride_om", "stride_os")
 
@@ -271,9 +271,15 @@ def main(argv: list[str] | None = None) -> int:
            {"s_ptr": f"*{dt}", "t_ptr": f"*{dt}", "g_ptr": f"*{dt}", "loss_ptr": "*fp32", "n_cols": "i32", "stride_s": "i32",
             "stride_t": "i32", "stride_g": "i32", "inv_temp": "fp32", "grad_scale": "fp32"}, dict(BLOCK=kd_loss.BLOCK), 8)
           for dt in ("bf16", "fp32")],
+        *[(f"error feedback block, {rule}", feedback_kernel._feedback_block_kernel,
+           {**{k: "*fp32" for k in ("wb_ptr", "err_ptr", "u_ptr", "a_ptr", "b_ptr", "s_ptr", "z_ptr", "mq_ptr")},
+            "codes_ptr": "*i16", "grp_ptr": "*i32", **{k: "i32" for k in ("R", "n_cols", "k0", "k1", "j0", "stride_u", "col_block")}},
+           dict(MODE=mode, K=k, BLOCK_R=feedback_kernel.BLOCK_R), {"enable_fp_fusion": False})
+          for rule, mode, k in (("4-bit tables", feedback_kernel.TABLE, 16), ("integer grid", feedback_kernel.GRID, 2))],
     ]
-    for label, fn, sig, const, *warps in others:
-        r = resources(_compile(fn, sig, const, target, **({"num_warps": warps[0]} if warps else {})))
+    for label, fn, sig, const, *opts in others:
+        opts = {"num_warps": opts[0]} if opts and isinstance(opts[0], int) else (opts[0] if opts else {})
+        r = resources(_compile(fn, sig, const, target, **opts))
         print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
     return 0
 

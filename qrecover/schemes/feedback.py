@@ -13,6 +13,7 @@ of every earlier column already applied (whatever the block size: the result doe
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -45,17 +46,59 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = 0.01, dtype: tor
     return torch.linalg.solve_triangular(r, eye, upper=True).to(dtype)
 
 
+@dataclass
+class TableRule:
+    """A rounding rule as data, for the fused block kernel (:mod:`qrecover.kernels.feedback_kernel`): the nearest of a
+    look-up table's values. ``edges (blocks, K - 1, R)`` float32 decision edges ascending (+inf padding), ``tables
+    (blocks, K, R)`` the values; input column ``j`` reads table block ``j // cols``. The same codes as a ``round_fn``
+    counting the edges below each value."""
+
+    edges: torch.Tensor
+    tables: torch.Tensor
+    cols: int
+    kind = "table"
+
+
+@dataclass
+class GridRule:
+    """A rounding rule as data: an integer grid per group of columns, ``c = min(max(round(w / safe) + zero, 0), maxq)``,
+    ``q = (c - zero) * scale``; ``safe, scale, zero (groups, R)`` (filled in place by ``on_group`` as groups are
+    reached, if they depend on the weights), ``maxq (R,)``, ``group_of (in,)`` int32 the group of each column."""
+
+    safe: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    maxq: torch.Tensor
+    group_of: torch.Tensor
+    kind = "grid"
+
+
+#: devices whose error feedback runs each block of columns in one fused kernel launch when the caller gives its rounding
+#: rule as data (``rule=``) and triton is installed; tests add "cpu" to run it under triton's interpreter
+FUSED_DEVICES = {"cuda"}
+
+
+def fused_steps(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`error_feedback` on ``t`` runs its blocks in the fused kernel (given a ``rule``)."""
+    if t.device.type not in FUSED_DEVICES or dtype != torch.float32:
+        return False
+    from ..kernels import triton_available  # noqa: PLC0415  (kernels imports nothing from schemes; keep import light)
+    return triton_available()
+
+
 def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
                    round_fn: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                    block: int = 32, damp: float = 0.01, *, factor: torch.Tensor | None = None,
                    group: int = 0, on_group: Callable[[int, torch.Tensor], None] | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, rule: TableRule | GridRule | None = None) -> torch.Tensor:
     """Quantize ``weight (out, in)`` column by column with error feedback; return codes ``(out, in)`` int64.
 
     ``factor``: the upper Cholesky factor of the damped inverse Hessian (:func:`inverse_hessian_factor`),
     when the caller shares one across layers with the same inputs; otherwise it is computed from
     ``hessian`` and ``damp``. ``group``/``on_group``: see the module docstring. ``dtype``: the arithmetic
-    (float32; float64 for references).
+    (float32; float64 for references). ``rule``: ``round_fn`` as data (:class:`TableRule`, :class:`GridRule`), which
+    lets a GPU run each block's column steps in one kernel launch (:data:`FUSED_DEVICES`) instead of about 30
+    operator launches per column: the same operations in the same order.
 
     Works on the transpose ``(in, out)`` so that every column is a contiguous row and the rank-1
     updates inside a block stream through memory; blocks of 32 columns keep those updates small and
@@ -67,6 +110,10 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
     if u.shape != (in_f, in_f):
         raise ValueError(f"inverse Hessian factor of shape {tuple(u.shape)} for a weight with {in_f} input columns")
     codes = torch.empty(in_f, out_f, dtype=torch.int16, device=wt.device)  # codes of up to 15 bits; int64 when returned
+    fused = rule is not None and fused_steps(wt, dtype)
+    if fused:
+        u = u.contiguous()
+        from ..kernels import feedback_kernel  # noqa: PLC0415  (needs triton: imported only where it runs)
     x = (lambda t: t.numpy()) if numpy_steps(wt) else (lambda t: t)  # matrix products stay in torch either way
     codesx = x(codes)
     for b0 in range(0, in_f, block):
@@ -75,7 +122,8 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
         errs = torch.empty_like(wb)
         ub = u[b0:b1, b0:b1]
         wbx, errx, ubx = x(wb), x(errs), x(ub)
-        for k in range(b1 - b0):
+        k = 0
+        while k < b1 - b0:  # in segments that end where a group starts (on_group between them)
             j = b0 + k
             if on_group is not None and j % group == 0:
                 end = min(j + group, in_f)
@@ -85,10 +133,18 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
                     rest = wt[b1:end] - u[b0:j, b1:end].T @ errs[:k]
                     cols = torch.cat([wb[k:], rest])
                 on_group(j, cols)
-            q, c = round_fn(j, wb[k])
-            codesx[j] = x(c)
-            e = (wbx[k] - x(q)) / ubx[k, k]
-            wbx[k + 1:] -= ubx[k, k + 1:, None] * e[None, :]
-            errx[k] = e
+            stop = b1 - b0 if on_group is None else min(b1 - b0, (j // group + 1) * group - b0)
+            if fused:
+                feedback_kernel.run(rule, wb, errs, u, codes, b0, k, stop)
+                k = stop
+                continue
+            for k in range(k, stop):
+                j = b0 + k
+                q, c = round_fn(j, wb[k])
+                codesx[j] = x(c)
+                e = (wbx[k] - x(q)) / ubx[k, k]
+                wbx[k + 1:] -= ubx[k, k + 1:, None] * e[None, :]
+                errx[k] = e
+            k = stop
         wt[b1:] -= u[b0:b1, b1:].T @ errs  # the block's errors onto every later column at once
     return codes.T.contiguous().long()

@@ -40,7 +40,7 @@ from ..errors import QRecoverError
 from ..packing import pack
 from .base import QuantizedWeight, doc_field, register_quantizer
 from .blockwise import Blockwise
-from .feedback import error_feedback, inverse_hessian_factor, numpy_steps
+from .feedback import GridRule, error_feedback, fused_steps, inverse_hessian_factor, numpy_steps
 
 
 @dataclass
@@ -157,7 +157,10 @@ def _gptq_rows(weight: torch.Tensor, hessian: torch.Tensor, maxq: torch.Tensor, 
             c = torch.minimum((torch.round(col / safe[gi]) + z).clamp_(min=0), maxq)
             return (c - z) * scale[gi], c.long()
 
-    codes = error_feedback(w, None, round_fn, block, factor=factor, group=g, on_group=on_group, dtype=dtype)
+    rule = None
+    if fused_steps(w, dtype):  # one kernel launch per block of columns (a GPU), the same operations
+        rule = GridRule(safe, scale, zero, maxq, torch.tensor(group_of, dtype=torch.int32, device=w.device))
+    codes = error_feedback(w, None, round_fn, block, factor=factor, group=g, on_group=on_group, dtype=dtype, rule=rule)
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     return codes, scale.T.contiguous(), zero.T.contiguous()

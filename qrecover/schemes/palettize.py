@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..errors import QRecoverError
 from ..packing import pack, packed_nbytes, unpack
 from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
-from .feedback import error_feedback, inverse_hessian_factor, numpy_steps
+from .feedback import TableRule, error_feedback, fused_steps, inverse_hessian_factor, numpy_steps
 
 
 @dataclass
@@ -82,6 +82,16 @@ def sort_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(1, order), order
 
 
+#: Lloyd iterations between host reads of k-means' convergence test, by device type (default 8): on an accelerator each
+#: read waits for the device (92 per palettization candidate when read every iteration, ``benchmarks/feedback_speed.py``);
+#: on the CPU it costs nothing, and the iterations a later read would add do.
+KMEANS_CHECK_EVERY = {"cpu": 1}
+
+
+def check_every(device: torch.device) -> int:
+    return KMEANS_CHECK_EVERY.get(device.type, 8)
+
+
 class SortedGroups:
     """Rows of values sorted once, with weighted prefix sums: shared by k-means runs of every width.
 
@@ -115,21 +125,34 @@ class SortedGroups:
 
         1-D clusters are contiguous in sorted order, so a Lloyd step needs ``k - 1`` binary searches per
         row and prefix-sum differences, not a pass over every value. Initialised at weighted quantiles;
-        stops when no assignment changes (a fixed point of Lloyd's algorithm).
+        stops when no assignment changes (a fixed point of Lloyd's algorithm), tested every
+        :data:`KMEANS_CHECK_EVERY` iterations (the same result whenever it is tested).
         """
         total = self.cw[:, -1:]
         quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
         idx = torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1)
         c = self.xs.gather(1, idx)
         e = self.edges(c)
-        for _ in range(iters):
+        every = check_every(c.device)
+        done = torch.zeros((), dtype=torch.bool, device=c.device)
+        for it in range(iters):
             sw = self.cw.gather(1, e[:, 1:]) - self.cw.gather(1, e[:, :-1])
             sx = self.cwx.gather(1, e[:, 1:]) - self.cwx.gather(1, e[:, :-1])
-            c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=1).values
-            new_e = self.edges(c)
-            if torch.equal(new_e, e):
+            new_c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=1).values
+            new_e = self.edges(new_c)
+            if every == 1:
+                c = new_c
+                if torch.equal(new_e, e):
+                    break
+                e = new_e
+                continue
+            # on an accelerator: no host read per iteration. Once converged, c and e stay as they were at convergence
+            # (the same result as stopping there); the host looks every few iterations.
+            c = torch.where(done, c, new_c)
+            done |= (new_e == e).all()
+            e = torch.where(done, e, new_e)
+            if (it + 1) % every == 0 and bool(done):
                 break
-            e = new_e
         return c, e
 
 
@@ -279,7 +302,11 @@ class Palettize(Quantizer):
         bounds_by_block = [bounds_t[:, blk].contiguous() for blk in range(in_f // c)]
         tables_by_block = [tables_t[:, blk].contiguous() for blk in range(in_f // c)]
 
-        if numpy_steps(weight) and k_max <= 32 and bool((bounds_t[..., 1:] >= bounds_t[..., :-1]).all()):
+        sorted_edges = bool((bounds_t[..., 1:] >= bounds_t[..., :-1]).all())  # counting edges below = searchsorted
+        rule = None
+        if sorted_edges and fused_steps(weight, torch.float32):  # one kernel launch per block of columns (a GPU)
+            rule = TableRule(bounds_t.permute(1, 2, 0).contiguous(), tables_t.permute(1, 2, 0).contiguous(), c)
+        if numpy_steps(weight) and k_max <= 32 and sorted_edges:
             # The same codes on the CPU, several times faster per column: the number of sorted edges below each value
             # (what searchsorted returns) as one numpy compare-and-count over the (K-1, rows) edges, then a flat take.
             edges_np = [b.T.contiguous().numpy() for b in bounds_by_block]
@@ -296,7 +323,7 @@ class Palettize(Quantizer):
                 code = torch.searchsorted(bounds_by_block[blk], w.unsqueeze(1).contiguous())
                 return tables_by_block[blk].gather(1, code).squeeze(1), code.squeeze(1)
 
-        codes = error_feedback(weight.repeat(len(luts), 1), None, round_fn, factor=factor)
+        codes = error_feedback(weight.repeat(len(luts), 1), None, round_fn, factor=factor, rule=rule)
         return list(codes.split(out_f))
 
     def _pack(self, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:

@@ -1,0 +1,142 @@
+"""Error feedback's fused block kernel (``qrecover.kernels.feedback_kernel``, what a GPU runs when the rounding rule is
+given as data) writes exactly the codes and tables of the per-column path, and launches once per block of columns.
+
+On the CPU the kernel runs under triton's interpreter (``feedback.FUSED_DEVICES`` gets "cpu"), compared with the numpy
+steps; on a GPU with the torch ops on the same device (the same operations in the same order, no fused multiply-add).
+Checked: palettization (three widths stacked, +inf edge padding, whole-row and per-block tables, refits), GPTQ with
+act order (static groups) and without (group grids set as columns are reached, groups starting inside a block and
+straddling block edges), symmetric and not.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_feedback import _assert_same_weights, _layer
+
+from qrecover.schemes import feedback, get_quantizer
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def fk():
+    from kernel_helpers import interpreted_kernels
+
+    yield from interpreted_kernels(("qrecover.kernels.feedback_kernel",), main="qrecover.kernels.feedback_kernel")
+
+
+def _per_column_then_fused(monkeypatch, fn, launches=None):
+    """``fn()`` on the per-column path (numpy steps on the CPU, torch ops on a GPU), then with the fused kernel."""
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", set())
+    plain = fn()
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", {DEV})
+    return plain, fn()
+
+
+def _on(stats):
+    return {k: v.to(DEV) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("shape,params", [((48, 96), {}), ((32, 128), dict(block_size=32)), ((32, 192), dict(block_size=64, refit=1))])
+def test_fused_palettization_equals_per_column(fk, monkeypatch, shape, params):
+    w, stats = _layer(*shape)
+    pal = get_quantizer("palettize", **params)
+    plain, fused = _per_column_then_fused(monkeypatch, lambda: pal.quantize_many(w.to(DEV), [2, 3, 4], _on(stats)))
+    _assert_same_weights(plain, fused)
+
+
+@pytest.mark.parametrize("group_size,symmetric,act_order", [(32, False, False), (48, True, False), (32, False, True), (None, False, True)])
+def test_fused_gptq_equals_per_column(fk, monkeypatch, group_size, symmetric, act_order):
+    """Blocks of 64 columns: groups of 32 start inside them, groups of 48 straddle their edges."""
+    w, stats = _layer(24, 192, seed=2)
+    gptq = get_quantizer("gptq", group_size=group_size, symmetric=symmetric, act_order=act_order, block=64)
+    plain, fused = _per_column_then_fused(monkeypatch, lambda: gptq.quantize_many(w.to(DEV), [2, 3, 4], _on(stats)))
+    _assert_same_weights(plain, fused)
+
+
+def test_fused_path_launches_once_per_block_segment(fk, monkeypatch):
+    """One kernel launch per block of 32 columns for palettization (GPTQ: per segment between group starts), and a few
+    operators per block around it, where the per-column torch path dispatches dozens per column."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from qrecover.kernels import feedback_kernel
+    from qrecover.recovery.host_sync import HostSyncCounter
+
+    w, stats = _layer(32, 256)
+    pal = get_quantizer("palettize")
+    st = dict(_on(stats), hessian_inv_chol=pal.shared_factor(stats["hessian"]).to(DEV))
+    factor = st["hessian_inv_chol"]
+    luts = [t.tensors["lut"] for t in pal.quantize_many(w.to(DEV), [2, 3], {})]
+    calls = []
+    real = feedback_kernel.run
+
+    def counted(*args):  # the launch itself, out of the operator count (the interpreter copies tensors in and out)
+        calls.append(args[5:])
+        with _disable_current_modes():
+            real(*args)
+
+    monkeypatch.setattr(feedback_kernel, "run", counted)
+    monkeypatch.setattr(feedback, "NUMPY_ON_CPU", False)
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", set())
+    with HostSyncCounter() as per_column:
+        plain = pal._assign_with_feedback(w.to(DEV), factor, luts, 16, 256)
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", {DEV})
+    with HostSyncCounter() as fused_count:
+        fused = pal._assign_with_feedback(w.to(DEV), factor, luts, 16, 256)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    assert calls == [(b0, 0, 32) for b0 in range(0, 256, 32)]  # (first column, first and end column in the block)
+    assert per_column.dispatches / 256 > 20, per_column.ops
+    assert fused_count.dispatches / 256 < 1, fused_count.ops
+    print(f"operators per column: per-column path {per_column.dispatches / 256:.1f}, fused {fused_count.dispatches / 256:.2f} "
+          f"+ {len(calls) / 256:.3f} kernel launches")
+
+
+@pytest.mark.parametrize("every", [3, 8])
+def test_kmeans_reading_convergence_every_few_iterations_gives_the_same_tables(monkeypatch, every):
+    """On an accelerator k-means reads its convergence test every few iterations (no host wait per iteration): the
+    tables and codes equal those of a test every iteration, and the host reads drop accordingly."""
+    from qrecover.recovery.host_sync import HostSyncCounter
+    from qrecover.schemes import palettize
+
+    w, stats = _layer(64, 96, seed=3)
+    pal = get_quantizer("palettize", error_feedback=False)
+    with HostSyncCounter() as each:
+        plain = pal.quantize_many(w, [2, 3, 4], stats)
+    monkeypatch.setattr(palettize, "KMEANS_CHECK_EVERY", {"cpu": every})
+    with HostSyncCounter() as few:
+        sparse = pal.quantize_many(w, [2, 3, 4], stats)
+    _assert_same_weights(plain, sparse)
+    reads_each, reads_few = each.by_name["aten.equal"], few.by_name["aten._local_scalar_dense"]  # one per k-means test
+    assert reads_each > 3 * every and 0 < reads_few <= reads_each // every + 3, (few.by_name, each.by_name)
+
+
+def test_fused_kernel_compiles_for_h100_without_fused_multiply_adds():
+    """Compiled for sm_90 by triton's own compiler (no GPU needed): correctly rounded divisions and no fused multiply-add
+    in the PTX, which would round ``w - u * e`` once where the torch path rounds twice (other bits on a GPU)."""
+    script = (
+        "import re\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from qrecover.kernels import compile_check as cc, feedback_kernel as fk\n"
+        "sig = {**{k: '*fp32' for k in ('wb_ptr', 'err_ptr', 'u_ptr', 'a_ptr', 'b_ptr', 's_ptr', 'z_ptr', 'mq_ptr')},\n"
+        "       'codes_ptr': '*i16', 'grp_ptr': '*i32', **{k: 'i32' for k in ('R', 'n_cols', 'k0', 'k1', 'j0', 'stride_u', 'col_block')}}\n"
+        "for mode, k in ((fk.TABLE, 16), (fk.GRID, 2)):\n"
+        "    ptx = cc._compile(fk._feedback_block_kernel, sig, dict(MODE=mode, K=k, BLOCK_R=fk.BLOCK_R), GPUTarget('cuda', 90, 32),\n"
+        "                      enable_fp_fusion=False).asm['ptx']\n"
+        "    n = lambda pattern: len(re.findall(pattern, ptx))\n"
+        "    print(mode, n(r'\\bfma\\.'), n(r'\\bdiv\\.rn\\.f32'), n(r'\\bdiv\\.(full|approx)'))\n"
+    )
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the option the launch passes wins over the default
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = [tuple(int(v) for v in line.split()) for line in r.stdout.splitlines()]
+    assert counts == [(0, 0, 1, 0), (1, 0, 2, 0)], r.stdout  # (mode, fma, div.rn, approximate div)
