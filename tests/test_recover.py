@@ -546,3 +546,29 @@ def test_unreadable_adapter_is_refused_before_the_load(adapter_dir, tiny_ckpt, t
     assert code == 2 and "Traceback" not in err and bad.name in flat and not out.exists()
     if how != "config":
         assert "re-exportorcopytheadapteragain" in flat
+
+
+def test_checkpoint_rng_holds_and_restores_only_the_training_gpu(monkeypatch):
+    """A checkpoint holds the generator state of the GPU the adapter trains on, not every visible GPU's, and restores it
+    onto the GPU the process trains on at resume; an older checkpoint's list of every GPU's states gives that GPU's entry
+    and nothing else (a resume with fewer visible GPUs used to index past them). CUDA's calls are recorded, no GPU."""
+    from qrecover.recovery import checkpoints
+
+    states = {i: torch.full((4,), i, dtype=torch.uint8) for i in range(8)}
+    got, put = [], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d="cuda": got.append(torch.device(d).index) or states[torch.device(d).index])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state read"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d="cuda": put.append((torch.device(d).index, int(s[0]))))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: pytest.fail("every GPU's state written"))
+    state = checkpoints.rng_state(torch.device("cuda", 3))
+    assert got == [3] and torch.equal(state["cuda"], states[3])
+    checkpoints.set_rng_state(state, torch.device("cuda", 0))  # resumed where the process now sees its GPU as cuda:0
+    assert put == [(0, 3)]
+    put.clear()
+    old = dict(state, cuda=[states[i] for i in range(8)])  # the format before: every visible GPU
+    checkpoints.set_rng_state(old, torch.device("cuda", 5))
+    checkpoints.set_rng_state(dict(old, cuda=old["cuda"][:2]), torch.device("cuda", 5))  # saved with 2 visible: no entry
+    assert put == [(5, 5)]
+    assert "cuda" not in checkpoints.rng_state("cpu")
+    checkpoints.set_rng_state(state, "cpu")  # a CPU run ignores a GPU state
+    assert put == [(5, 5)]

@@ -34,8 +34,11 @@ def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG state as tensors and plain values (what ``weights_only`` loading accepts)."""
+def rng_state(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Every RNG state this process trains with, as tensors and plain values (what ``weights_only`` loading accepts):
+    Python's, numpy's, torch's CPU generator and, when ``device`` (the adapter's) is a GPU, that GPU's generator only:
+    not every visible GPU's, which a resume with fewer visible GPUs (``CUDA_VISIBLE_DEVICES`` per process) could not
+    restore."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
@@ -43,20 +46,30 @@ def rng_state() -> dict[str, Any]:
              "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore every RNG state that :func:`rng_state` recorded (CUDA's only where this process has CUDA)."""
+def set_rng_state(state: dict[str, Any], device: torch.device | str = "cpu") -> None:
+    """Restore the RNG states :func:`rng_state` recorded; the GPU generator's onto ``device`` (the adapter's, where this
+    process trains now). Checkpoints written before 2026-11-29 hold every visible GPU's state as a list: the entry of
+    ``device``'s index is restored, when it has one."""
     py, npy = state["python"], state["numpy"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
                          npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device = torch.device(device)
+    if "cuda" not in state or device.type != "cuda":
+        return
+    saved = state["cuda"]
+    if isinstance(saved, (list, tuple)):
+        index = torch.cuda.current_device() if device.index is None else device.index
+        saved = saved[index] if index < len(saved) else None
+    if saved is not None:
+        torch.cuda.set_rng_state(saved, device)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -129,6 +142,11 @@ def check_resume(saved: dict[str, Any], saved_world: int, cfg: RecoverConfig, wo
             "or --overwrite")
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where the adapter trains (its first trainable parameter's device; the CPU without one)."""
+    return next((p.device for p in trainable(model).values()), torch.device("cpu"))
+
+
 def checkpoint_state(cfg: RecoverConfig, world: int, step: int, tokens: int, history: list[dict[str, Any]],
                      model: nn.Module, optimizer: Any, scheduler: Any, loader: Any) -> dict[str, Any]:
     """What a checkpoint after optimizer step ``step`` holds (``model`` unwrapped: its adapter weights on the CPU)."""
@@ -137,7 +155,7 @@ def checkpoint_state(cfg: RecoverConfig, world: int, step: int, tokens: int, his
         "history": history,
         "adapter": {n: p.detach().cpu().clone() for n, p in trainable(model).items()},
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "loader": loader.state_dict(), "rng": rng_state()}
+        "loader": loader.state_dict(), "rng": rng_state(_device(model))}
 
 
 def resume_from(ckpt: Path, cfg: RecoverConfig, world: int, rank: int, run_dir: Path, model: nn.Module,
@@ -157,7 +175,7 @@ def resume_from(ckpt: Path, cfg: RecoverConfig, world: int, rank: int, run_dir: 
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
     step, tokens, history = state["step"], state["tokens"], state["history"]
-    set_rng_state(state["rng"])
+    set_rng_state(state["rng"], _device(model))
     if rank > 0:  # the main process's RNG state is the checkpoint's; the others reseed from (seed, rank, step)
         torch.manual_seed(hash((cfg.seed, rank, step)) % 2**63)
     return step, tokens, history
