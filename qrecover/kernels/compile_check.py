@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         *[(f"error feedback block, {rule}", feedback_kernel._feedback_block_kernel,
            {**{k: "*fp32" for k in ("wb_ptr", "err_ptr", "u_ptr", "a_ptr", "b_ptr", "s_ptr", "z_ptr", "mq_ptr")},
             "codes_ptr": "*i16", "grp_ptr": "*i32", **{k: "i32" for k in ("R", "n_cols", "k0", "k1", "j0", "stride_u", "col_block")}},
-           dict(MODE=mode, K=k, BLOCK_R=feedback_kernel.BLOCK_R), {"enable_fp_fusion": False})
+           dict(MODE=mode, K=k, BLOCK_R=feedback_kernel.BLOCK_R), {"enable_fp_fusion": False, "num_warps": feedback_kernel.NUM_WARPS})
           for rule, mode, k in (("4-bit tables", feedback_kernel.TABLE, 16), ("integer grid", feedback_kernel.GRID, 2))],
     ]
     for label, fn, sig, const, *opts in others:

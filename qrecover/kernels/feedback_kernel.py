@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-#: rows per program; each program walks the block's columns for its rows
+#: rows per program, one per thread of its 4 warps; each program walks the block's columns for its rows
 BLOCK_R = 128
+NUM_WARPS = 4
 TABLE, GRID = 0, 1
 
 
@@ -64,7 +65,7 @@ def _feedback_block_kernel(wb_ptr, err_ptr, u_ptr, codes_ptr, a_ptr, b_ptr, s_pt
         tl.store(codes_ptr + j * R + rows, code.to(tl.int16), mask=mask)
         e = tl.math.div_rn(w - q, tl.load(u_ptr + j * stride_u + j))
         tl.store(err_ptr + k * R + rows, e, mask=mask)
-        for i in range(k + 1, n_cols):  # every thread reads back only the elements it wrote: no barrier needed
+        for i in range(k + 1, n_cols):  # each thread reads back only what it wrote (one row per thread): no barrier
             v = tl.load(wb_ptr + i * R + rows, mask=mask, other=0.0)
             tl.store(wb_ptr + i * R + rows, v - tl.load(u_ptr + j * stride_u + j0 + i) * e, mask=mask)
 
@@ -82,9 +83,41 @@ def run(rule, wb: torch.Tensor, errs: torch.Tensor, u: torch.Tensor, codes: torc
         a, b, s, z, mq, grp = rule.safe, wb, rule.scale, rule.zero, rule.maxq, rule.group_of
         mode, k, col_block = GRID, 2, 1
     _feedback_block_kernel[grid](wb, errs, u, codes, a, b, s, z, mq, grp, r, n_cols, k0, k1, j0, u.stride(0), col_block,
-                                 MODE=mode, K=k, BLOCK_R=BLOCK_R, **({} if interpreting() else {"enable_fp_fusion": False}))
+                                 MODE=mode, K=k, BLOCK_R=BLOCK_R, num_warps=NUM_WARPS, **({} if interpreting() else {"enable_fp_fusion": False}))
 
 
 def interpreting() -> bool:
     """True when the kernel was built for triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
     return type(_feedback_block_kernel).__name__ == "InterpretedFunction"
+
+
+SIGNATURE = {**{k: "*fp32" for k in ("wb_ptr", "err_ptr", "u_ptr", "a_ptr", "b_ptr", "s_ptr", "z_ptr", "mq_ptr")},
+             "codes_ptr": "*i16", "grp_ptr": "*i32",
+             **{k: "i32" for k in ("R", "n_cols", "k0", "k1", "j0", "stride_u", "col_block")}}
+
+
+def compiled_facts(mode: int, arch: int = 90, aligned: bool = True) -> dict[str, object]:
+    """Compile the kernel for ``sm_{arch}`` with triton's own compiler (no GPU needed) and read what its exactness and
+    its lack of barriers rest on: ``fma``/``div_rn``/``div_approx`` counts in the PTX, and ``row_layouts``, the
+    layouts of its row-vector loads and stores (one layout of one element per thread, no replication, means every
+    thread reads back only what it wrote). ``aligned``: pointers and ``R`` divisible by 16, as the launcher
+    specializes them at run time when they are."""
+    import re  # noqa: PLC0415
+
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    fn = _feedback_block_kernel
+    names = list(fn.arg_names)
+    const = dict(MODE=mode, K=16 if mode == TABLE else 2, BLOCK_R=BLOCK_R)
+    sig = {n: SIGNATURE.get(n, "constexpr") for n in names}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in SIGNATURE.items()
+             if aligned and (v.startswith("*") or k in ("R", "stride_u"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": NUM_WARPS})
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    used = set(re.findall(rf"tt\.(?:load|store) [^\n]*tensor<{BLOCK_R}x!tt\.ptr<\w+>, (#\w+)>", ttgir))
+    return {"fma": len(re.findall(r"\bfma\.", ptx)), "div_rn": len(re.findall(r"\bdiv\.rn\.f32", ptx)),
+            "div_approx": len(re.findall(r"\bdiv\.(?:full|approx)", ptx)), "num_warps": kernel.metadata.num_warps,
+            "row_layouts": sorted(layouts[u] for u in used)}
