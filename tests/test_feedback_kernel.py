@@ -138,3 +138,36 @@ def test_fused_kernel_compiles_for_h100_exactly_and_race_free():
         (layout,) = f["row_layouts"]
         per_thread, lanes, warps = (re.search(rf"{k} = \[([\d, ]+)\]", layout).group(1) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
         assert per_thread == "1" and int(lanes) * int(warps) == 128 and int(warps) == f["num_warps"], layout
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_the_per_column_steps_with_one_warning(fk, monkeypatch):
+    """A compile or launch failure on the GPU (the kernel never ran) leaves the codes of the per-column path, warns once
+    naming the error and ``QRECOVER_KERNELS=0``, and the process stops trying the kernel; ``QRECOVER_KERNELS=0`` never
+    tries it."""
+    from qrecover.kernels import feedback_kernel
+
+    w, stats = _layer(32, 96)
+    pal = get_quantizer("palettize")
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", set())
+    plain = pal.quantize_many(w.to(DEV), [2, 3], _on(stats))
+    tries = []
+
+    def broken(*args):
+        tries.append(args[5:])
+        raise RuntimeError("PTX assembly failed: ptxas fatal")
+
+    monkeypatch.setattr(feedback_kernel, "run", broken)
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", {DEV})
+    monkeypatch.setattr(feedback, "_FUSED_FAILED", [])
+    with pytest.warns(UserWarning, match=r"error-feedback kernel failed \(RuntimeError: PTX assembly failed.*QRECOVER_KERNELS=0"):
+        fell_back = pal.quantize_many(w.to(DEV), [2, 3], _on(stats))
+    _assert_same_weights(plain, fell_back)
+    assert len(tries) == 1
+    again = pal.quantize_many(w.to(DEV), [2, 3], _on(stats))  # no second try, no second warning
+    _assert_same_weights(plain, again)
+    assert len(tries) == 1
+    monkeypatch.setattr(feedback, "_FUSED_FAILED", [])
+    monkeypatch.setenv("QRECOVER_KERNELS", "0")
+    assert not feedback.fused_steps(w.to(DEV), torch.float32)
+    monkeypatch.delenv("QRECOVER_KERNELS")
+    assert feedback.fused_steps(w.to(DEV), torch.float32)

@@ -12,6 +12,7 @@ of every earlier column already applied (whatever the block size: the result doe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,13 +78,33 @@ class GridRule:
 #: rule as data (``rule=``) and triton is installed; tests add "cpu" to run it under triton's interpreter
 FUSED_DEVICES = {"cuda"}
 
+#: why the fused kernel failed in this process, if it did (then :func:`fused_steps` says no from there on)
+_FUSED_FAILED: list[str] = []
+
 
 def fused_steps(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`error_feedback` on ``t`` runs its blocks in the fused kernel (given a ``rule``)."""
-    if t.device.type not in FUSED_DEVICES or dtype != torch.float32:
+    """Whether :func:`error_feedback` on ``t`` runs its blocks in the fused kernel (given a ``rule``): a device of
+    :data:`FUSED_DEVICES`, float32, triton installed, kernels not turned off (``QRECOVER_KERNELS=0``), no earlier
+    failure of the kernel in this process."""
+    if t.device.type not in FUSED_DEVICES or dtype != torch.float32 or _FUSED_FAILED:
         return False
-    from ..kernels import triton_available  # noqa: PLC0415  (kernels imports nothing from schemes; keep import light)
-    return triton_available()
+    from .. import kernels  # noqa: PLC0415  (kernels imports nothing from schemes; keeps importing schemes light)
+    return kernels.enabled() and kernels.triton_available()
+
+
+def _launch(rule, wb, errs, u, codes, j0: int, k0: int, k1: int) -> bool:
+    """One fused launch (:func:`qrecover.kernels.feedback_kernel.run`); False, with one warning per process, where it
+    fails to compile or launch on this GPU (it has not run then: the caller steps these columns itself)."""
+    from ..kernels import feedback_kernel  # noqa: PLC0415  (needs triton: imported only where it runs)
+
+    try:
+        feedback_kernel.run(rule, wb, errs, u, codes, j0, k0, k1)
+        return True
+    except Exception as e:  # a compile or launch failure: the per-column operators for the rest of the process
+        _FUSED_FAILED.append(f"{type(e).__name__}: {str(e)[:200]}")
+        warnings.warn(f"qrecover: the error-feedback kernel failed ({_FUSED_FAILED[0]}); error feedback runs column by "
+                      "column in torch from here on (QRECOVER_KERNELS=0 chooses that from the start)", stacklevel=3)
+        return False
 
 
 def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
@@ -113,7 +134,6 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
     fused = rule is not None and fused_steps(wt, dtype)
     if fused:
         u = u.contiguous()
-        from ..kernels import feedback_kernel  # noqa: PLC0415  (needs triton: imported only where it runs)
     x = (lambda t: t.numpy()) if numpy_steps(wt) else (lambda t: t)  # matrix products stay in torch either way
     codesx = x(codes)
     for b0 in range(0, in_f, block):
@@ -135,9 +155,10 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
                 on_group(j, cols)
             stop = b1 - b0 if on_group is None else min(b1 - b0, (j // group + 1) * group - b0)
             if fused:
-                feedback_kernel.run(rule, wb, errs, u, codes, b0, k, stop)
-                k = stop
-                continue
+                fused = _launch(rule, wb, errs, u, codes, b0, k, stop)
+                if fused:
+                    k = stop
+                    continue
             for k in range(k, stop):
                 j = b0 + k
                 q, c = round_fn(j, wb[k])
