@@ -11,6 +11,11 @@ that a GPU runs instead of the per-column operators (``qrecover.kernels.feedback
 
     python benchmarks/feedback_speed.py            # ~1 min on one core
     python benchmarks/feedback_speed.py --repeat 3 # best of 3 per cell
+    python benchmarks/feedback_speed.py --device cuda   # on a GPU: the per-column torch ops against the fused block
+                                                        # kernel, the default model's and Llama-3.1-8B's shapes (~1-2 min)
+
+On a GPU (``--device cuda``) each candidate family's whole ``quantize_many`` (k-means, refit-free quick menu) is timed
+both ways after a warm-up call each (the kernel's compile, reported apart), and the stored tensors compared.
 """
 
 from __future__ import annotations
@@ -71,10 +76,67 @@ def _fused_count(fn, in_f: int) -> str:
     return f"{counted.dispatches / in_f:.2f} + {len(launches) / in_f:.3f}"
 
 
+GPU_SHAPES = {**{f"default model {k}": v for k, v in SHAPES.items()},
+              "8B q/o": (4096, 4096), "8B k/v": (1024, 4096), "8B gate/up": (14336, 4096), "8B down": (4096, 14336)}
+GPU_CANDIDATES = {**{k: v for k, v in CANDIDATES.items() if k.startswith("palettize")},
+                  "gptq 3/4 g64 (act order)": ("gptq", dict(group_size=64), [3, 4])}
+
+
+def _cuda_time(fn, repeat: int):
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def _both_paths(q, w: torch.Tensor, stats: dict, bits: list[int], repeat: int):
+    """``{path: (warm-up s, best s, results)}`` for the per-column torch operators and the fused block kernel."""
+    runs = {}
+    for name, devices in (("torch", set()), ("fused", {w.device.type})):
+        feedback.FUSED_DEVICES = devices
+        warm, _ = _cuda_time(lambda: q.quantize_many(w, bits, stats), 1)
+        runs[name] = (warm, *_cuda_time(lambda: q.quantize_many(w, bits, stats), repeat))
+    feedback.FUSED_DEVICES = {"cuda"}
+    return runs
+
+
+def gpu_main(repeat: int) -> None:
+    """The per-column torch operators against the fused block kernel, on the GPU, same bytes."""
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; seconds per layer (all widths of a family in one "
+          f"pass, k-means included), best of {repeat} after a warm-up call each\n")
+    print("| layer (out x in) | candidate family | per-column torch ops (s) | fused block kernel (s) | speed-up | bytes equal | "
+          "warm-up calls (s): torch / fused |")
+    print("|---|---|---|---|---|---|---|")
+    totals = [0.0, 0.0]
+    for shape_name, (rows, cols) in GPU_SHAPES.items():
+        w, stats = _layer(rows, cols)
+        w, stats = w.cuda(), {k: v.cuda() for k, v in stats.items()}
+        for cand, (scheme, params, bits) in GPU_CANDIDATES.items():
+            runs = _both_paths(get_quantizer(scheme, **params), w, stats, bits, repeat)
+            (warm_t, best_t, out_t), (warm_f, best_f, out_f) = runs["torch"], runs["fused"]
+            same = all(torch.equal(a.tensors[k], b.tensors[k]) for a, b in zip(out_t, out_f) for k in a.tensors)
+            totals[0] += best_t
+            totals[1] += best_f
+            print(f"| {shape_name}: {rows} x {cols} | {cand} | {best_t:.3f} | {best_f:.3f} | {best_t / best_f:.1f}x | {same} | "
+                  f"{warm_t:.2f} / {warm_f:.2f} |", flush=True)
+        torch.cuda.empty_cache()
+    print(f"| all | | {totals[0]:.2f} | {totals[1]:.2f} | {totals[0] / totals[1]:.1f}x | | |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1, help="best of this many runs per cell")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the per-column torch path against "
+                    "the fused block kernel on the GPU")
     args = ap.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here; run it on a GPU machine (benchmarks/gpu_session.sh feedback)")
+        return gpu_main(args.repeat)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread; seconds per layer (all widths of the candidate in one pass)\n")
     print("| layer (out x in) | candidate | torch ops (s) | numpy steps (s) | speed-up | bytes equal | torch path: dispatches "

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement in one call on the lent device machine (see docs/development.md, "On a GPU machine").
 #   run: bash benchmarks/gpu_session.sh [parts]   parts: any of tests,kernels,adapters,sweep,train,train-compiled,compress,
-#   decode,r4 (default: tests,kernels,adapters,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
+#   feedback,decode,r4 (default: tests,kernels,adapters,r4,train,train-compiled; compress (T_COMPRESS=240) and decode (a 1B model compressed first:
 #   greedy tokens/s, static cache + CUDA graphs) each need a call of their own); time limits T_TESTS, T_KERNELS, T_R4,
-#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_DECODE, T_ADAPTERS, T_SWEEP (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g.
+#   T_TRAIN, T_TRAIN2, T_COMPRESS, T_FEEDBACK, T_DECODE, T_ADAPTERS, T_SWEEP (seconds); TRAIN_ARGS / TRAIN_ARGS2 for train_speed.py (e.g.
 #   --profile), SWEEP_ARGS for decode_sweep.py (e.g. "--formats palettize-3": the register-table kernels, 2026-11-28)
 # Measured on an H100 (2026-11-26/27): tests > 75 s (cut there twice; now 150 s), kernels --quick ~50 s, r4 ~20 s, train
 # (build + compress + 12 steps) ~80-115 s, train with --compile-layers ~90 s after a train part (20 s of it
@@ -80,6 +80,10 @@ if [[ $PARTS == *train-compiled* ]]; then
   timeout ${T_TRAIN2:-170} python3 benchmarks/train_speed.py --budget-s $(( ${T_TRAIN2:-170} - 25 )) --compile-layers \
     ${TRAIN_ARGS2:-} --out /tmp/train 2>&1 | tee "$OUT/train2.log" | grep -v "it/s\]" | tail -25
   cp /tmp/train/train_speed-cuda.json "$OUT/train_speed-compiled-cuda.json" 2>/dev/null
+fi
+if [[ $PARTS == *feedback* ]]; then  # error feedback: per-column torch ops against the fused block kernel (never timed yet)
+  part feedback
+  timeout ${T_FEEDBACK:-90} python3 benchmarks/feedback_speed.py --device cuda 2>&1 | tee "$OUT/feedback.log" | tail -30
 fi
 if [[ $PARTS == *compress* ]]; then
   part compress

@@ -171,3 +171,22 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_per_column_steps_with_
     assert not feedback.fused_steps(w.to(DEV), torch.float32)
     monkeypatch.delenv("QRECOVER_KERNELS")
     assert feedback.fused_steps(w.to(DEV), torch.float32)
+
+
+def test_the_gpu_benchmark_compares_both_paths_and_their_bytes(fk, monkeypatch, capsys):
+    """benchmarks/feedback_speed.py --device cuda, its plumbing on the CPU: tiny shapes, the kernel under the
+    interpreter, CUDA's timing calls stubbed. Each family is run both ways and its bytes compared."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("feedback_speed", Path(__file__).parents[1] / "benchmarks" / "feedback_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "GPU_SHAPES", {"tiny": (16, 192)})  # b192 becomes 2 blocks of 96 columns
+    monkeypatch.setitem(bench.GPU_CANDIDATES, "gptq 3/4 g64 (act order)", ("gptq", dict(group_size=64, block=32), [3, 4]))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    for name, fn in (("synchronize", lambda: None), ("get_device_name", lambda: "CPU (interpreter)"), ("empty_cache", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(feedback, "FUSED_DEVICES", {"cuda"})
+    bench.gpu_main(1)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 3 and all(row.split("|")[6].strip() == "True" for row in rows), rows
