@@ -274,3 +274,26 @@ def test_mse_grid_never_rounds_worse_than_min_max_and_is_off_by_default(symmetri
     q = get_quantizer("gptq", group_size=32, symmetric=symmetric, mse=True).quantize(w, 3, {"hessian": H})
     assert output_error(w, q.dequantize(), H) < output_error(
         w, get_quantizer("gptq", group_size=32, symmetric=symmetric).quantize(w, 3, {"hessian": H}).dequantize(), H)
+
+
+@pytest.mark.parametrize("symmetric,act_order", [(False, True), (True, False), (False, False)])
+def test_batched_range_search_gives_the_loops_grids_in_a_few_dispatches(monkeypatch, symmetric, act_order):
+    """The range search as a batch over the shrink factors (what a GPU runs, ``gptq.BATCHED_SEARCH``; forced on the
+    CPU here, in chunks that split the 81 factors unevenly) stores exactly the tensors of the factor-by-factor loop,
+    ties to the earlier factor included (rounded weights tie often), with ~80x fewer operator dispatches per group."""
+    from qrecover.recovery.host_sync import HostSyncCounter
+    from qrecover.schemes import gptq
+
+    w, H = randn(24, 128, seed=4) ** 3 * 0.05, correlated_hessian(128, seed=12)
+    w[:4] = (w[:4] * 40).round() / 40  # equal errors at several factors
+    q = get_quantizer("gptq", group_size=32, symmetric=symmetric, act_order=act_order, mse=True)
+    with HostSyncCounter() as loop:
+        a = q.quantize_many(w, [2, 3, 4], {"hessian": H})
+    monkeypatch.setattr(gptq, "BATCHED_SEARCH", {"cpu"})
+    monkeypatch.setattr(gptq, "BATCHED_ELEMENTS", 32 * 72 * 17)  # 17 factors per chunk: 5 chunks, the last short
+    with HostSyncCounter() as batched:
+        b = q.quantize_many(w, [2, 3, 4], {"hessian": H})
+    for x, y in zip(a, b):
+        assert all(torch.equal(x.tensors[k], y.tensors[k]) for k in x.tensors)
+    groups = 128 // 32
+    assert (loop.dispatches - batched.dispatches) / groups > 1500, (loop.dispatches, batched.dispatches)

@@ -74,24 +74,53 @@ def hessian_factor(hessian: torch.Tensor, damp: float = 0.01, act_order: bool = 
     return inverse_hessian_factor(h, damp, dtype)
 
 
+#: the range search's shrink factors, from the full range (1) down to 0.2, in the order tried (ties: the earlier)
+SHRINK = [1 - i / 100 for i in range(81)]
+#: devices whose range search tries every shrink factor of a group in a few batched operations (``(factors, g, R)``
+#: temporaries of at most :data:`BATCHED_ELEMENTS`) rather than one after another: on a GPU the loop is ~2,000 launches
+#: per group; on the CPU it is faster (its ``(g, R)`` temporaries stay in cache). The same grids either way.
+BATCHED_SEARCH = {"cuda"}
+BATCHED_ELEMENTS = 2**25
+
+
 def _grid(cols: torch.Tensor, maxq: torch.Tensor, symmetric: bool, mse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale (fp16-representable, may be 0) and zero point of one group: ``cols (g, R)`` -> ``(R,), (R,)``; ``mse``:
-    the range shrunk per row to the factor (1 down to 0.2, 80 steps) with the least ``sum |w - q|^2.4``."""
+    the range shrunk per row to the factor of :data:`SHRINK` (1 down to 0.2, 80 steps) with the least
+    ``sum |w - q|^2.4``, the first such factor on ties."""
     lo, hi = cols.amin(0).clamp(max=0), cols.amax(0).clamp(min=0)
     if symmetric:
         hi = torch.maximum(-lo, hi)
+    if mse and cols.device.type in BATCHED_SEARCH:
+        return _grid_search_batched(cols, lo, hi, maxq, symmetric)
     best = _grid_at(lo, hi, maxq, symmetric)
     if not mse:
         return best
     err_best = _grid_error(cols, *best, maxq)
-    for i in range(1, 81):
-        p = 1 - i / 100
+    for p in SHRINK[1:]:
         cand = _grid_at(lo * p, hi * p, maxq, symmetric)
         err = _grid_error(cols, *cand, maxq)
         better = err < err_best
         err_best = torch.where(better, err, err_best)
         best = tuple(torch.where(better, c, b) for c, b in zip(cand, best))
     return best
+
+
+def _grid_search_batched(cols: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, maxq: torch.Tensor, symmetric: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_grid`'s range search with the shrink factors as a batch dimension, in chunks: the same elementwise
+    operations, the first minimum of each row (``argmin``, then strictly lower across chunks), so the same grids."""
+    shrink = torch.tensor(SHRINK, dtype=lo.dtype, device=lo.device).unsqueeze(1)  # (81, 1)
+    step = max(1, BATCHED_ELEMENTS // cols.numel())
+    best = None
+    for i0 in range(0, len(SHRINK), step):
+        p = shrink[i0:i0 + step]
+        scale, zero = _grid_at(lo * p, hi * p, maxq, symmetric)  # (P, R)
+        zero = zero.expand_as(scale)
+        err = _grid_error(cols, scale.unsqueeze(1), zero.unsqueeze(1), maxq)  # (P, R)
+        idx = err.argmin(0, keepdim=True)
+        cand = tuple(t.gather(0, idx)[0] for t in (err, scale, zero))
+        best = cand if best is None else tuple(torch.where(cand[0] < best[0], c, b) for c, b in zip(cand, best))
+    return best[1], best[2]
 
 
 def _grid_at(lo: torch.Tensor, hi: torch.Tensor, maxq: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +134,7 @@ def _grid_at(lo: torch.Tensor, hi: torch.Tensor, maxq: torch.Tensor, symmetric: 
 def _grid_error(cols: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: torch.Tensor) -> torch.Tensor:
     s = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (torch.minimum((torch.round(cols / s) + zero).clamp_(min=0), maxq) - zero) * scale
-    return (q - cols).abs_().pow_(2.4).sum(0)
+    return (q - cols).abs_().pow_(2.4).sum(-2)  # over the group's columns: (g, R) -> (R,), (P, g, R) -> (P, R)
 
 
 def _gptq_rows(weight: torch.Tensor, hessian: torch.Tensor, maxq: torch.Tensor, g: int, symmetric: bool,
