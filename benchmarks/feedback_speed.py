@@ -1,7 +1,7 @@
 """Error feedback on the CPU: numpy per-column steps against torch ops throughout, in the same run, same bytes.
 
 ``qrecover.schemes.feedback.NUMPY_ON_CPU`` runs the per-column steps of GPTQ-style error feedback (palettization's
-code assignment, GPTQ) on numpy views of the same memory; False is torch ops throughout, as on a GPU. This times both
+code assignment, GPTQ) on numpy views of the same memory; False is torch ops throughout (a GPU without the fused kernel). This times both
 on the default model's (SmolLM2-135M) layer shapes with random weights and a Hessian from random inputs of uneven
 channel scales, the candidates of the quick menu (palettize 2/3/4 whole-row and b192 tables, GPTQ 3/4-bit g64), one
 thread, and checks that every stored tensor is equal. It also counts, on the torch path (what a GPU runs), the ATen

@@ -1,6 +1,6 @@
 """Error feedback on the CPU runs its per-column steps on numpy views (``qrecover.schemes.feedback.NUMPY_ON_CPU``), with
 palettization's numpy compare-and-count rounding and GPTQ's numpy rounding; it must give exactly what torch ops
-throughout give (``NUMPY_ON_CPU = False``, the GPU's path): the checkpoint bytes of every compression depend on it.
+throughout give (``NUMPY_ON_CPU = False``, a GPU's path without the fused kernel): the checkpoint bytes of every compression depend on it.
 
 Checked: palettization (three widths stacked, whole-row and per-block tables, refits), GPTQ (group grids set as columns
 are reached, a group across a block edge, symmetric and not, per channel), every column's running state to the bit

@@ -21,7 +21,7 @@ import torch
 #: Run the per-column steps of :func:`error_feedback` (and the rounding rules of palettization and GPTQ) on numpy views
 #: of CPU tensors: the same IEEE operations in the same order, so the same bits, without torch's per-call overhead on
 #: these short rows, which dominated them (0.4 ms per column of a 4608-row stack, 2026-11-29). False runs torch ops
-#: throughout, as on a GPU; tests/test_feedback.py compares the two.
+#: throughout (what a GPU runs where the fused block kernel does not, :data:`FUSED_DEVICES`); tests/test_feedback.py compares the two.
 NUMPY_ON_CPU = True
 
 
