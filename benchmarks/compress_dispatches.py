@@ -1,6 +1,6 @@
 """What compressing one layer launches on a GPU, counted on the CPU: operator dispatches and host reads per candidate
-family, with the GPU's batched paths (the fused error-feedback kernel, the batched GPTQ range search, k-means' sparse
-convergence reads) and without them (one operator after another, as a GPU ran it until 2026-11-29), in one run.
+family, with the GPU's batched paths (the fused error-feedback kernel, the batched GPTQ range search, k-means of every
+width at once with sparse convergence reads) and without them (one operator after another, as a GPU ran it until 2026-11-29), in one run.
 
 The candidates stage of one linear layer (random weight, a Hessian from inputs of uneven channel scales) at a menu's
 encodings, through ``qrecover.stages.candidates.quantize_unit`` (damage estimates included), on the torch path a GPU
@@ -39,17 +39,19 @@ def gpu_paths(batched: bool, launches: list):
             codes[j0 + k0:j0 + k1].zero_()
             errs[k0:k1].zero_()
 
-    saved = (feedback.NUMPY_ON_CPU, feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.KMEANS_CHECK_EVERY, feedback_kernel.run)
+    saved = (feedback.NUMPY_ON_CPU, feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.KMEANS_CHECK_EVERY,
+             palettize.BATCHED_KMEANS, feedback_kernel.run)
     feedback.NUMPY_ON_CPU = False
     feedback.FUSED_DEVICES = {"cpu"} if batched else set()
     gptq.BATCHED_SEARCH = {"cpu"} if batched else set()
     palettize.KMEANS_CHECK_EVERY = {"cpu": 8 if batched else 1}
+    palettize.BATCHED_KMEANS = {"cpu"} if batched else set()
     feedback_kernel.run = stub
     try:
         yield
     finally:
         (feedback.NUMPY_ON_CPU, feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.KMEANS_CHECK_EVERY,
-         feedback_kernel.run) = saved
+         palettize.BATCHED_KMEANS, feedback_kernel.run) = saved
 
 
 def _layer(out_f: int, in_f: int):

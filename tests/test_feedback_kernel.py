@@ -192,3 +192,24 @@ def test_the_gpu_benchmark_compares_both_paths_and_their_bytes(fk, monkeypatch, 
     bench.gpu_main(1)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 3 and all(row.split("|")[6].strip() == "True" for row in rows), rows
+
+
+@pytest.mark.parametrize("bits,every", [([2, 3, 4], 1), ([2, 3, 4], 8), ([4, 2, 8], 3)])
+def test_kmeans_of_every_width_at_once_gives_each_widths_tables(monkeypatch, bits, every):
+    """``SortedGroups.kmeans_many`` side by side (what a GPU runs, ``palettize.BATCHED_KMEANS``; forced on the CPU
+    here): the tables and codes of each width's own k-means, widths given in any order, and a third of the
+    operator dispatches for three widths."""
+    from qrecover.recovery.host_sync import HostSyncCounter
+    from qrecover.schemes import palettize
+
+    w, stats = _layer(64, 96, seed=5)
+    pal = get_quantizer("palettize", error_feedback=False)
+    with HostSyncCounter() as one_by_one:
+        plain = pal.quantize_many(w, bits, stats)
+    monkeypatch.setattr(palettize, "BATCHED_KMEANS", {"cpu"})
+    monkeypatch.setattr(palettize, "KMEANS_CHECK_EVERY", {"cpu": every})
+    with HostSyncCounter() as batched:
+        together = pal.quantize_many(w, bits, stats)
+    _assert_same_weights(plain, together)
+    if every == 1:
+        assert batched.dispatches < 0.7 * one_by_one.dispatches, (batched.dispatches, one_by_one.dispatches)

@@ -88,6 +88,11 @@ def sort_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 KMEANS_CHECK_EVERY = {"cpu": 1}
 
 
+#: devices whose k-means fits every width of a palettization at once (:meth:`SortedGroups.kmeans_many`): on a GPU a
+#: third of the launches for three widths; on the CPU the widths that converge early would run the others' iterations.
+BATCHED_KMEANS = {"cuda"}
+
+
 def check_every(device: torch.device) -> int:
     return KMEANS_CHECK_EVERY.get(device.type, 8)
 
@@ -154,6 +159,44 @@ class SortedGroups:
             if (it + 1) % every == 0 and bool(done):
                 break
         return c, e
+
+    def kmeans_many(self, ks: list[int], iters: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`kmeans` for every width in ``ks``: one after another on the CPU; elsewhere (:data:`BATCHED_KMEANS`)
+        all at once, the widths side by side along the centroid dimension, padded with +inf centroids (empty clusters
+        at the end of the sorted values, which keep their value), each width frozen once converged. The same
+        operations on every real centroid, so the same tables as :meth:`kmeans`, with a third of the launches for
+        three widths."""
+        if len(ks) < 2 or self.xs.device.type not in BATCHED_KMEANS:
+            return [self.kmeans(k, iters) for k in ks]
+        n, w, kmax = self.n, len(ks), max(ks)
+        total = self.cw[:, -1:]
+        c = torch.full((n, w, kmax), float("inf"), device=self.xs.device)
+        for i, k in enumerate(ks):  # each width's start, as :meth:`kmeans` makes it
+            quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
+            c[:, i, :k] = self.xs.gather(1, torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1))
+        e = self._edges_many(c)
+        every = check_every(c.device)
+        done = torch.zeros(w, dtype=torch.bool, device=c.device)
+        for it in range(iters):
+            lo, hi = e[..., :-1].reshape(n, -1), e[..., 1:].reshape(n, -1)
+            sw = (self.cw.gather(1, hi) - self.cw.gather(1, lo)).view(n, w, kmax)
+            sx = (self.cwx.gather(1, hi) - self.cwx.gather(1, lo)).view(n, w, kmax)
+            new_c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=-1).values
+            new_e = self._edges_many(new_c)
+            c = torch.where(done[:, None], c, new_c)
+            done |= (new_e == e).all(-1).all(0)
+            e = torch.where(done[:, None], e, new_e)
+            if (it + 1) % every == 0 and bool(done.all()):
+                break
+        return [(c[:, i, :k].contiguous(), e[:, i, :k + 1].contiguous()) for i, k in enumerate(ks)]
+
+    def _edges_many(self, centroids: torch.Tensor) -> torch.Tensor:
+        """:meth:`edges` of ``centroids (n, widths, K)`` side by side: ``(n, widths, K + 1)``."""
+        n, w, k = centroids.shape
+        bounds = ((centroids[..., 1:].float() + centroids[..., :-1].float()) / 2).reshape(n, -1)
+        inner = torch.searchsorted(self.xs, bounds.contiguous()).view(n, w, k - 1)
+        return torch.cat([torch.zeros(n, w, 1, dtype=torch.long, device=inner.device), inner,
+                          torch.full((n, w, 1), self.m, device=inner.device)], dim=-1)
 
 
 def weighted_kmeans_1d(x: torch.Tensor, w: torch.Tensor, k: int, iters: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +267,7 @@ class Palettize(Quantizer):
         imp = self.importance(shape, stats, weight.device)
         groups = SortedGroups(_to_groups(weight.detach().float(), g, c), _to_groups(imp, g, c))
         # fit every width's tables, stored in fp16; codes index the fp16 table, so dequantize() is lut[code]
-        luts = [groups.kmeans(2**bits, self.config.iters)[0].half() for bits in bits_list]
+        luts = [c.half() for c, _ in groups.kmeans_many([2**bits for bits in bits_list], self.config.iters)]
         if self.config.error_feedback and "hessian" in stats:
             h, weight = stats["hessian"], weight.detach()
             # one factorisation for every pass (and, from the candidates stage, every layer reading these inputs)
