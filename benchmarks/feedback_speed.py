@@ -11,23 +11,27 @@ that a GPU runs instead of the per-column operators (``qrecover.kernels.feedback
 
     python benchmarks/feedback_speed.py            # ~1 min on one core
     python benchmarks/feedback_speed.py --repeat 3 # best of 3 per cell
-    python benchmarks/feedback_speed.py --device cuda   # on a GPU: the per-column torch ops against the fused block
-                                                        # kernel, the default model's and Llama-3.1-8B's shapes (~1-2 min)
+    python benchmarks/feedback_speed.py --device cuda   # on a GPU: one operator after another against the batched
+                                                        # paths, the default model's and Llama-3.1-8B's shapes (~1-2 min)
 
-On a GPU (``--device cuda``) each candidate family's whole ``quantize_many`` (k-means, refit-free quick menu) is timed
-both ways after a warm-up call each (the kernel's compile, reported apart), and the stored tensors compared.
+On a GPU (``--device cuda``) each candidate family's whole ``quantize_many`` (k-means included, the quick menu's
+families) is timed both ways after a warm-up call each (the kernel's compile, reported apart), and the stored tensors
+compared: one operator after another (the per-column error feedback, k-means width by width with a read every
+iteration), as a GPU ran compression until 2026-11-29, against the fused error-feedback kernel and k-means of every
+width at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from qrecover.recovery.host_sync import HostSyncCounter
-from qrecover.schemes import feedback, get_quantizer
+from qrecover.schemes import feedback, get_quantizer, gptq, palettize
 
 SHAPES = {"q/o/gate/up (576 in)": (1536, 576), "down (1536 in)": (576, 1536), "k/v (576 in)": (192, 576)}
 CANDIDATES = {"palettize 2/3/4": ("palettize", {}, [2, 3, 4]),
@@ -93,23 +97,38 @@ def _cuda_time(fn, repeat: int):
     return best, out
 
 
+@contextlib.contextmanager
+def _gpu_paths(device: str, batched: bool):
+    """The GPU's batched compression paths on ``device`` (the fused error-feedback kernel, the batched GPTQ range
+    search, k-means of every width at once read every 8 iterations) or none of them: one operator after another, as a
+    GPU ran compression until 2026-11-29."""
+    saved = (feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.BATCHED_KMEANS, palettize.KMEANS_CHECK_EVERY)
+    on = {device} if batched else set()
+    feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.BATCHED_KMEANS = set(on), set(on), set(on)
+    palettize.KMEANS_CHECK_EVERY = {**saved[3], device: 8 if batched else 1}
+    try:
+        yield
+    finally:
+        feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.BATCHED_KMEANS, palettize.KMEANS_CHECK_EVERY = saved
+
+
 def _both_paths(q, w: torch.Tensor, stats: dict, bits: list[int], repeat: int):
-    """``{path: (warm-up s, best s, results)}`` for the per-column torch operators and the fused block kernel."""
+    """``{path: (warm-up s, best s, results)}`` one operator after another ("torch") and with the batched paths and
+    the fused kernel ("fused")."""
     runs = {}
-    for name, devices in (("torch", set()), ("fused", {w.device.type})):
-        feedback.FUSED_DEVICES = devices
-        warm, _ = _cuda_time(lambda: q.quantize_many(w, bits, stats), 1)
-        runs[name] = (warm, *_cuda_time(lambda: q.quantize_many(w, bits, stats), repeat))
-    feedback.FUSED_DEVICES = {"cuda"}
+    for name, batched in (("torch", False), ("fused", True)):
+        with _gpu_paths(w.device.type, batched):
+            warm, _ = _cuda_time(lambda: q.quantize_many(w, bits, stats), 1)
+            runs[name] = (warm, *_cuda_time(lambda: q.quantize_many(w, bits, stats), repeat))
     return runs
 
 
 def gpu_main(repeat: int) -> None:
-    """The per-column torch operators against the fused block kernel, on the GPU, same bytes."""
+    """One operator after another against the batched paths and the fused block kernel, on the GPU, same bytes."""
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; seconds per layer (all widths of a family in one "
           f"pass, k-means included), best of {repeat} after a warm-up call each\n")
-    print("| layer (out x in) | candidate family | per-column torch ops (s) | fused block kernel (s) | speed-up | bytes equal | "
-          "warm-up calls (s): torch / fused |")
+    print("| layer (out x in) | candidate family | one operator after another (s) | batched paths + fused kernel (s) | "
+          "speed-up | bytes equal | warm-up calls (s): before / after |")
     print("|---|---|---|---|---|---|---|")
     totals = [0.0, 0.0]
     for shape_name, (rows, cols) in GPU_SHAPES.items():

@@ -175,7 +175,8 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_the_per_column_steps_with_
 
 def test_the_gpu_benchmark_compares_both_paths_and_their_bytes(fk, monkeypatch, capsys):
     """benchmarks/feedback_speed.py --device cuda, its plumbing on the CPU: tiny shapes, the kernel under the
-    interpreter, CUDA's timing calls stubbed. Each family is run both ways and its bytes compared."""
+    interpreter, CUDA's timing calls stubbed. Each family is run both ways (one operator after another; the batched
+    paths and the fused kernel) and its bytes compared; the settings are restored after."""
     if CUDA:
         pytest.skip("a GPU runs the benchmark itself: bash benchmarks/gpu_session.sh feedback")
     import importlib.util
@@ -188,10 +189,13 @@ def test_the_gpu_benchmark_compares_both_paths_and_their_bytes(fk, monkeypatch, 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
     for name, fn in (("synchronize", lambda: None), ("get_device_name", lambda: "CPU (interpreter)"), ("empty_cache", lambda: None)):
         monkeypatch.setattr(torch.cuda, name, fn)
-    monkeypatch.setattr(feedback, "FUSED_DEVICES", {"cuda"})
+    from qrecover.schemes import gptq, palettize
+
+    settings = (set(feedback.FUSED_DEVICES), set(gptq.BATCHED_SEARCH), set(palettize.BATCHED_KMEANS), dict(palettize.KMEANS_CHECK_EVERY))
     bench.gpu_main(1)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 3 and all(row.split("|")[6].strip() == "True" for row in rows), rows
+    assert settings == (feedback.FUSED_DEVICES, gptq.BATCHED_SEARCH, palettize.BATCHED_KMEANS, palettize.KMEANS_CHECK_EVERY)
 
 
 @pytest.mark.parametrize("bits,every", [([2, 3, 4], 1), ([2, 3, 4], 8), ([4, 2, 8], 3)])
