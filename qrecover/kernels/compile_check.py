@@ -265,21 +265,19 @@ def main(argv: list[str] | None = None) -> int:
           for w in ("fp16", "i8")],
         *[(f"r4 rotation {n} ({P} x {B}) {dt}", fwht._fwht_rows,
            {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},
-           dict(P=P, P_PAD=max(16, triton.next_power_of_2(P)), B=B, LOG_B=B.bit_length() - 1, FP32_DOT=False), 4 if P <= 16 else 8)
+           dict(P=P, P_PAD=max(16, triton.next_power_of_2(P)), B=B, LOG_B=B.bit_length() - 1, FP32_DOT=False),
+           {"num_warps": 4 if P <= 16 else 8})
           for n, P, B, dt in ((1536, 12, 128, "fp16"), (14336, 112, 128, "fp16"), (4096, 32, 128, "bf16"))],
         *[(f"kd loss {dt}", kd_loss._kd_rows,
            {"s_ptr": f"*{dt}", "t_ptr": f"*{dt}", "g_ptr": f"*{dt}", "loss_ptr": "*fp32", "n_cols": "i32", "stride_s": "i32",
-            "stride_t": "i32", "stride_g": "i32", "inv_temp": "fp32", "grad_scale": "fp32"}, dict(BLOCK=kd_loss.BLOCK), 8)
+            "stride_t": "i32", "stride_g": "i32", "inv_temp": "fp32", "grad_scale": "fp32"}, dict(BLOCK=kd_loss.BLOCK), {"num_warps": 8})
           for dt in ("bf16", "fp32")],
-        *[(f"error feedback block, {rule}", feedback_kernel._feedback_block_kernel,
-           {**{k: "*fp32" for k in ("wb_ptr", "err_ptr", "u_ptr", "a_ptr", "b_ptr", "s_ptr", "z_ptr", "mq_ptr")},
-            "codes_ptr": "*i16", "grp_ptr": "*i32", **{k: "i32" for k in ("R", "n_cols", "k0", "k1", "j0", "stride_u", "col_block")}},
+        *[(f"error feedback block, {rule}", feedback_kernel._feedback_block_kernel, feedback_kernel.SIGNATURE,
            dict(MODE=mode, K=k, BLOCK_R=feedback_kernel.BLOCK_R), {"enable_fp_fusion": False, "num_warps": feedback_kernel.NUM_WARPS})
           for rule, mode, k in (("4-bit tables", feedback_kernel.TABLE, 16), ("integer grid", feedback_kernel.GRID, 2))],
     ]
-    for label, fn, sig, const, *opts in others:
-        opts = {"num_warps": opts[0]} if opts and isinstance(opts[0], int) else (opts[0] if opts else {})
-        r = resources(_compile(fn, sig, const, target, **opts))
+    for label, fn, sig, const, *opts in others:  # opts: the compile options, where not the defaults
+        r = resources(_compile(fn, sig, const, target, **(opts[0] if opts else {})))
         print(f"| {label} | {r.get('REG')} | {r.get('STACK')} |")
     return 0
 

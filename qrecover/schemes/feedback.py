@@ -154,18 +154,15 @@ def error_feedback(weight: torch.Tensor, hessian: torch.Tensor | None,
                     cols = torch.cat([wb[k:], rest])
                 on_group(j, cols)
             stop = b1 - b0 if on_group is None else min(b1 - b0, (j // group + 1) * group - b0)
-            if fused:
-                fused = _launch(rule, wb, errs, u, codes, b0, k, stop)
-                if fused:
-                    k = stop
-                    continue
-            for k in range(k, stop):
-                j = b0 + k
-                q, c = round_fn(j, wb[k])
-                codesx[j] = x(c)
-                e = (wbx[k] - x(q)) / ubx[k, k]
-                wbx[k + 1:] -= ubx[k, k + 1:, None] * e[None, :]
-                errx[k] = e
+            fused = fused and _launch(rule, wb, errs, u, codes, b0, k, stop)
+            if not fused:  # the per-column steps (also after a failed launch: the kernel has not run)
+                for kk in range(k, stop):
+                    j = b0 + kk
+                    q, c = round_fn(j, wb[kk])
+                    codesx[j] = x(c)
+                    e = (wbx[kk] - x(q)) / ubx[kk, kk]
+                    wbx[kk + 1:] -= ubx[kk, kk + 1:, None] * e[None, :]
+                    errx[kk] = e
             k = stop
         wt[b1:] -= u[b0:b1, b1:].T @ errs  # the block's errors onto every later column at once
     return codes.T.contiguous().long()

@@ -82,19 +82,13 @@ def sort_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(1, order), order
 
 
-#: Lloyd iterations between host reads of k-means' convergence test, by device type (default 8): on an accelerator each
-#: read waits for the device (92 per palettization candidate when read every iteration, ``benchmarks/feedback_speed.py``);
-#: on the CPU it costs nothing, and the iterations a later read would add do.
-KMEANS_CHECK_EVERY = {"cpu": 1}
-
-
-#: devices whose k-means fits every width of a palettization at once (:meth:`SortedGroups.kmeans_many`): on a GPU a
-#: third of the launches for three widths; on the CPU the widths that converge early would run the others' iterations.
+#: k-means fits every width of a palettization at once on these devices (:meth:`SortedGroups.kmeans_many`), reading
+#: its convergence test every ``KMEANS_CHECK_EVERY[device type]`` (default 8) Lloyd iterations: on a GPU each read waits
+#: for the device (92 per palettization candidate when read every iteration, ``benchmarks/feedback_speed.py``) and a
+#: third of the launches for three widths. On the CPU reads cost nothing, and the iterations that a later read, or a
+#: width converging early, would add do.
 BATCHED_KMEANS = {"cuda"}
-
-
-def check_every(device: torch.device) -> int:
-    return KMEANS_CHECK_EVERY.get(device.type, 8)
+KMEANS_CHECK_EVERY = {"cpu": 1}
 
 
 class SortedGroups:
@@ -112,10 +106,15 @@ class SortedGroups:
 
     def edges(self, centroids: torch.Tensor) -> torch.Tensor:
         """``(n, k + 1)`` cluster boundaries in sorted order: value i goes to the nearest centroid."""
-        bounds = ((centroids[:, 1:].float() + centroids[:, :-1].float()) / 2).contiguous()
-        inner = torch.searchsorted(self.xs, bounds)
-        return torch.cat([torch.zeros(self.n, 1, dtype=torch.long, device=inner.device), inner,
-                          torch.full((self.n, 1), self.m, device=inner.device)], dim=1)
+        return self._edges_many(centroids.unsqueeze(1)).squeeze(1)
+
+    def _edges_many(self, centroids: torch.Tensor) -> torch.Tensor:
+        """:meth:`edges` of ``centroids (n, widths, K)``, each width's side by side: ``(n, widths, K + 1)``."""
+        n, w, k = centroids.shape
+        bounds = ((centroids[..., 1:].float() + centroids[..., :-1].float()) / 2).reshape(n, -1)
+        inner = torch.searchsorted(self.xs, bounds.contiguous()).view(n, w, k - 1)
+        return torch.cat([torch.zeros(n, w, 1, dtype=torch.long, device=inner.device), inner,
+                          torch.full((n, w, 1), self.m, device=inner.device)], dim=-1)
 
     def codes(self, edges: torch.Tensor) -> torch.Tensor:
         """``(n, m)`` int64 cluster index of every value, in the original (unsorted) order."""
@@ -125,57 +124,37 @@ class SortedGroups:
         codes_sorted = marks.cumsum(1, dtype=torch.int32)[:, : self.m].long()
         return torch.empty_like(codes_sorted).scatter_(1, self.order, codes_sorted)
 
+    def _start(self, k: int) -> torch.Tensor:
+        """``(n, k)`` the initial centroids: the weighted quantiles ``(i + 1/2) / k``."""
+        total = self.cw[:, -1:]
+        quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
+        return self.xs.gather(1, torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1))
+
     def kmeans(self, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Weighted 1-D k-means per row, deterministic: ``(centroids (n, k) ascending, edges (n, k+1))``.
 
         1-D clusters are contiguous in sorted order, so a Lloyd step needs ``k - 1`` binary searches per
         row and prefix-sum differences, not a pass over every value. Initialised at weighted quantiles;
-        stops when no assignment changes (a fixed point of Lloyd's algorithm), tested every
-        :data:`KMEANS_CHECK_EVERY` iterations (the same result whenever it is tested).
+        stops when no assignment changes (a fixed point of Lloyd's algorithm).
         """
-        total = self.cw[:, -1:]
-        quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
-        idx = torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1)
-        c = self.xs.gather(1, idx)
-        e = self.edges(c)
-        every = check_every(c.device)
-        done = torch.zeros((), dtype=torch.bool, device=c.device)
-        for it in range(iters):
-            sw = self.cw.gather(1, e[:, 1:]) - self.cw.gather(1, e[:, :-1])
-            sx = self.cwx.gather(1, e[:, 1:]) - self.cwx.gather(1, e[:, :-1])
-            new_c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=1).values
-            new_e = self.edges(new_c)
-            if every == 1:
-                c = new_c
-                if torch.equal(new_e, e):
-                    break
-                e = new_e
-                continue
-            # on an accelerator: no host read per iteration. Once converged, c and e stay as they were at convergence
-            # (the same result as stopping there); the host looks every few iterations.
-            c = torch.where(done, c, new_c)
-            done |= (new_e == e).all()
-            e = torch.where(done, e, new_e)
-            if (it + 1) % every == 0 and bool(done):
-                break
-        return c, e
+        return self.kmeans_many([k], iters)[0]
 
     def kmeans_many(self, ks: list[int], iters: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`kmeans` for every width in ``ks``: one after another on the CPU; elsewhere (:data:`BATCHED_KMEANS`)
-        all at once, the widths side by side along the centroid dimension, padded with +inf centroids (empty clusters
-        at the end of the sorted values, which keep their value), each width frozen once converged. The same
-        operations on every real centroid, so the same tables as :meth:`kmeans`, with a third of the launches for
-        three widths."""
-        if len(ks) < 2 or self.xs.device.type not in BATCHED_KMEANS:
-            return [self.kmeans(k, iters) for k in ks]
+        """:meth:`kmeans` for every width in ``ks``. On the CPU one width after another, the convergence tested
+        every iteration. On the devices of :data:`BATCHED_KMEANS` all at once, with no host read per iteration: the
+        widths side by side along the centroid dimension, padded with +inf centroids (empty clusters past the
+        sorted values, which keep their value), each width frozen once converged (c and e as they were then: the
+        result of stopping there), the convergence read every :data:`KMEANS_CHECK_EVERY` iterations. The same
+        operations on every real centroid, so the same tables either way, with a third of the launches for three
+        widths."""
+        if self.xs.device.type not in BATCHED_KMEANS:
+            return [self._kmeans_one(k, iters) for k in ks]
         n, w, kmax = self.n, len(ks), max(ks)
-        total = self.cw[:, -1:]
         c = torch.full((n, w, kmax), float("inf"), device=self.xs.device)
-        for i, k in enumerate(ks):  # each width's start, as :meth:`kmeans` makes it
-            quantiles = (torch.arange(k, dtype=torch.float64, device=total.device) + 0.5) / k * total
-            c[:, i, :k] = self.xs.gather(1, torch.searchsorted(self.cw[:, 1:].contiguous(), quantiles).clamp_(max=self.m - 1))
+        for i, k in enumerate(ks):
+            c[:, i, :k] = self._start(k)
         e = self._edges_many(c)
-        every = check_every(c.device)
+        every = KMEANS_CHECK_EVERY.get(c.device.type, 8)
         done = torch.zeros(w, dtype=torch.bool, device=c.device)
         for it in range(iters):
             lo, hi = e[..., :-1].reshape(n, -1), e[..., 1:].reshape(n, -1)
@@ -190,13 +169,19 @@ class SortedGroups:
                 break
         return [(c[:, i, :k].contiguous(), e[:, i, :k + 1].contiguous()) for i, k in enumerate(ks)]
 
-    def _edges_many(self, centroids: torch.Tensor) -> torch.Tensor:
-        """:meth:`edges` of ``centroids (n, widths, K)`` side by side: ``(n, widths, K + 1)``."""
-        n, w, k = centroids.shape
-        bounds = ((centroids[..., 1:].float() + centroids[..., :-1].float()) / 2).reshape(n, -1)
-        inner = torch.searchsorted(self.xs, bounds.contiguous()).view(n, w, k - 1)
-        return torch.cat([torch.zeros(n, w, 1, dtype=torch.long, device=inner.device), inner,
-                          torch.full((n, w, 1), self.m, device=inner.device)], dim=-1)
+    def _kmeans_one(self, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`kmeans` on the CPU: one width, the convergence tested every iteration (free there)."""
+        c = self._start(k)
+        e = self.edges(c)
+        for _ in range(iters):
+            sw = self.cw.gather(1, e[:, 1:]) - self.cw.gather(1, e[:, :-1])
+            sx = self.cwx.gather(1, e[:, 1:]) - self.cwx.gather(1, e[:, :-1])
+            c = torch.where(sw > 0, sx / sw.clamp_min(1e-300), c.double()).float().sort(dim=1).values
+            new_e = self.edges(c)
+            if torch.equal(new_e, e):
+                break
+            e = new_e
+        return c, e
 
 
 def weighted_kmeans_1d(x: torch.Tensor, w: torch.Tensor, k: int, iters: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
