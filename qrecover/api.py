@@ -64,7 +64,8 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     # stage finalize: re-quantize each chosen linear on the outputs of the quantized layers before it
     finfo: dict[str, Any] = {"enabled": bool(cfg.finalize)}
     if cfg.finalize:
-        finfo.update(finalize_units(p, enc_of, qws, cfg.finalize_groups, cfg.device, owned, show_progress))
+        finfo.update(finalize_units(p, enc_of, qws, cfg.finalize_groups, cfg.device, owned, show_progress,
+                                     cfg.finalize_precision))
 
     # stage write
     tensors, layers = pack(p, chosen, qws, damage, enc_of)

@@ -76,6 +76,10 @@ class CompressConfig(DictConfig):
     grad_precision: str = doc_field("fp32", "the calibration's gradient pass (the damage estimates' weights): 'fp32', 'bf16' "
                                     "(autocast: about 2x faster where the device computes bf16 natively) or 'auto' (bf16 there, "
                                     "else fp32)")
+    finalize_precision: str = doc_field("fp32", "finalize's statistics passes (its linear forwards and x^T x) on the CPU: 'fp32', "
+                                        "'bf16' (float32 tensors whose matmul inputs oneDNN rounds to bf16, with float32 sums: "
+                                        "2-4x faster matmuls with AMX or AVX512-BF16) or 'auto' (bf16 there, else fp32); the "
+                                        "quantization itself and any GPU stay fp32")
     seed: int = doc_field(0, "random seed (the pipeline is deterministic; recorded for provenance)")
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class CompressConfig(DictConfig):
             raise QRecoverError(f"--allocation {self.allocation!r} must be 'sensitivity' or 'position'")
         if self.grad_precision not in ("fp32", "bf16", "auto"):
             raise QRecoverError(f"--grad-precision {self.grad_precision!r} must be fp32, bf16 or auto")
+        if self.finalize_precision not in ("fp32", "bf16", "auto"):
+            raise QRecoverError(f"--finalize-precision {self.finalize_precision!r} must be fp32, bf16 or auto")
         for name in ("calib_samples", "seq_len"):
             if getattr(self, name) <= 0:
                 raise QRecoverError(f"{name}={getattr(self, name)} must be positive")

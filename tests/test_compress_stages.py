@@ -687,6 +687,70 @@ def test_bf16_gradient_pass_keeps_the_statistics_close(tiny_model_dir, layerwise
         CompressConfig(grad_precision="half")
 
 
+def test_cpu_matmul_inputs_rounds_to_bf16_and_restores_the_setting():
+    """``cpu_matmul_inputs('bf16')``: a float32 matmul equals the float32 product of its bf16-rounded inputs (where
+    the CPU multiplies bf16 natively) and so differs from the exact one; the setting before is back on exit, an
+    exception included; an unknown kind is refused."""
+    from qrecover.hardware import cpu_matmul_inputs, native_bf16
+
+    knob = torch.backends.mkldnn.matmul
+    before = knob.fp32_precision
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=g), torch.randn(256, 96, generator=g)
+    exact = (a.double() @ b.double()).float()
+    rounded = (a.bfloat16().double() @ b.bfloat16().double()).float()
+    with cpu_matmul_inputs("fp32"):
+        assert torch.allclose(a @ b, exact, rtol=1e-4, atol=1e-4)
+    if native_bf16():
+        with cpu_matmul_inputs("bf16"):
+            got = a @ b
+        assert torch.allclose(got, rounded, rtol=1e-5, atol=1e-4)
+        assert (got - exact).abs().max() > 1e-2  # really rounded: bf16 keeps 8 significant bits
+    with pytest.raises(RuntimeError, match="boom"), cpu_matmul_inputs("bf16"):
+        raise RuntimeError("boom")
+    assert knob.fp32_precision == before
+    with pytest.raises(ValueError, match="'half' must be 'bf16' or 'fp32'"), cpu_matmul_inputs("half"):
+        pass
+
+
+def test_finalize_precision_bf16_rounds_the_statistics_passes_only(tiny_model_dir, tmp_path, monkeypatch):
+    """--finalize-precision bf16: finalize's statistics passes run with bf16 matmul inputs, its quantization (GPTQ's
+    error feedback) with float32 ones; the manifest records it, the setting is restored, and the weights are as good
+    as the fp32 run's (reconstruction error within 10%). 'auto' is bf16 only on a CPU that computes it natively,
+    never on a GPU; a bad value is refused before any work."""
+    import qrecover.stages.finalize as fin
+    from qrecover.checkpoint import read_packed
+
+    knob = torch.backends.mkldnn.matmul
+    before = knob.fp32_precision
+    seen = {"stats": set(), "quantize": set()}
+    real_stats, real_quantize = fin.layer_stats, fin.quantize_shared
+    monkeypatch.setattr(fin, "layer_stats", lambda *a, **k: seen["stats"].add(knob.fp32_precision) or real_stats(*a, **k))
+    monkeypatch.setattr(fin, "quantize_shared",
+                        lambda *a, **k: seen["quantize"].add(knob.fp32_precision) or real_quantize(*a, **k))
+    model, _ = _model_and_windows(tiny_model_dir)
+    weights = {f"{n}.weight": m.weight.detach() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    err = {}
+    for kind in ("fp32", "bf16"):
+        seen = {"stats": set(), "quantize": set()}
+        m = compress(_cfg(tiny_model_dir, bpw=None, encodings="gptq:4/g32", finalize_precision=kind),
+                     out=tmp_path / kind, show_progress=False)
+        assert m["finalize"]["matmul_inputs"] == kind
+        assert seen == {"stats": {"bf16" if kind == "bf16" else "ieee"}, "quantize": {"ieee"}}, kind
+        assert knob.fp32_precision == before
+        packed = read_packed(tmp_path / kind)[1]
+        err[kind] = sum(float((packed[n].dequantize() - weights[f"{n}.weight"]).norm() ** 2) for n in packed
+                        if f"{n}.weight" in weights)
+    assert 0 < err["bf16"] <= 1.1 * err["fp32"]
+    monkeypatch.setattr(fin, "native_bf16", lambda: False)
+    assert [fin.matmul_inputs(p, "cpu") for p in ("fp32", "bf16", "auto")] == ["fp32", "bf16", "fp32"]
+    monkeypatch.setattr(fin, "native_bf16", lambda: True)
+    assert fin.matmul_inputs("auto", "cpu") == "bf16"
+    assert fin.matmul_inputs("auto", "cuda") == fin.matmul_inputs("bf16", torch.device("cuda", 0)) == "fp32"
+    with pytest.raises(QRecoverError, match="--finalize-precision 'half' must be fp32, bf16 or auto"):
+        _cfg(tiny_model_dir, finalize_precision="half")
+
+
 def test_grad_samples_runs_the_gradient_pass_on_the_first_windows(tiny_model_dir, tmp_path, monkeypatch):
     """``grad_samples=N``: the gradient pass sees the first N calibration windows, the layer pass all of them, and
     the manifest records it; more than the calibration windows is refused before any work."""

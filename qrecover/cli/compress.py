@@ -69,7 +69,7 @@ every layer's columns) is offered to those layers only.
 # scheme_params) and the CLI's own are CompressConfig fields (qrecover.cli.config_options): their defaults and help texts
 @config_command(CompressConfig, only=("model", "scope", "scheme", "embedding_bits", "encodings", "embedding_encodings",
                                       "finalize", "finalize_groups", "device", "allocation", "calib_data", "calib_samples",
-                                      "seq_len", "grad_samples", "grad_precision"))
+                                      "seq_len", "grad_samples", "grad_precision", "finalize_precision"))
 def compress(
     bpw: Optional[float] = typer.Option(None, "--bpw", help="Bits-per-weight budget, measured from packed bytes on disk (default 3.7; without --bpw "
                                                             "a single --bits width gives a uniform model)."),

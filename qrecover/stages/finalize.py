@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
 from ..distributed import SINGLE, World, join
+from ..hardware import cpu_matmul_inputs, native_bf16
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
@@ -141,7 +142,7 @@ def _corrected_outputs(layer: nn.Module, hidden: list[torch.Tensor], kwargs: lis
 @torch.no_grad()
 def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding], fixed: dict[str, QuantizedWeight],
              out_grad_sq: dict[str, torch.Tensor] | None, device, show_progress: bool = True, groups: str = "input",
-             world: World = SINGLE) -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
+             world: World = SINGLE, precision: str = "fp32") -> tuple[dict[str, QuantizedWeight], dict[str, Any]]:
     """``chosen``: decoder linear name -> its encoding; ``fixed``: already final units (the embedding, by
     module name; its chosen weight feeds the first layer). ``out_grad_sq``: the gradient pass's moments (for
     quantizers that need them, and for the finalized damage estimate), or None.
@@ -151,16 +152,18 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
     module docstring) or 'layer' (every linear of a layer from one statistics pass on the layer's quantized
     input, then the layer quantized at once: fewer forwards, as llm-compressor's GPTQ does). ``world``: the
     processes of a launch: each runs its share of ``windows``, the statistics are reduced to one process's bits
-    and a group's linears are quantized on different processes (:mod:`qrecover.distributed`).
+    and a group's linears are quantized on different processes (:mod:`qrecover.distributed`). ``precision``: the
+    statistics passes' CPU matmuls ('fp32', 'bf16', 'auto': :func:`matmul_inputs`); the quantization stays fp32.
     """
     t0 = time.time()
+    kind = matmul_inputs(precision, device)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    hidden, kwargs = _first_inputs(model, windows, fixed, device, world)
     result: dict[str, QuantizedWeight] = {}
     damage: dict[str, float] = {}
     shortcuts = replayed = 0
-    with progress() as bar:
+    with progress() as bar, cpu_matmul_inputs(kind):
+        hidden, kwargs = _first_inputs(model, windows, fixed, device, world)
         task = bar.add_task("finalize: decoder layers on quantized inputs", total=len(layers), visible=show_progress)
         for i, layer in enumerate(layers):
             with resident(model, layer, device):
@@ -170,9 +173,18 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
                 replayed += blocks
             bar.advance(task)
     mode = "true-sequential (groups sharing an input, in call order)" if groups == "input" else "layer (one pass per layer)"
-    return result, {"mode": mode, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
+    return result, {"mode": mode, "matmul_inputs": kind, "damage": damage, "outputs_corrected": f"{shortcuts}/{len(layers)} layers",
                     "blocks_replayed": replayed,
                     "seconds": round(time.time() - t0, 1)}
+
+
+def matmul_inputs(precision: str, device) -> str:
+    """What finalize's statistics passes round their matmul inputs to on ``device``: 'bf16' where ``precision`` is
+    'bf16', or 'auto' on a CPU that computes bf16 natively (:func:`~qrecover.hardware.native_bf16`); else 'fp32'. Only
+    the CPU's matmuls take it (:func:`~qrecover.hardware.cpu_matmul_inputs`): on a GPU finalize stays fp32."""
+    if torch.device(device).type != "cpu":
+        return "fp32"
+    return "bf16" if precision == "bf16" or (precision == "auto" and native_bf16()) else "fp32"
 
 
 def _first_inputs(model: nn.Module, windows: torch.Tensor, fixed: dict[str, QuantizedWeight], device,
@@ -246,7 +258,8 @@ def _quantize_group(group: list[str], lins: dict[str, nn.Module], chosen: dict[s
     dequantized weights in place, so that the next groups and layers see them: each packed weight into ``result``,
     its damage into ``damage`` (where there are a Hessian and gradient moments), its weight change into ``deltas``
     (when given: the correction of the layer's outputs needs it)."""
-    packed = quantize_shared({n: (lins[n].weight, [chosen[n]], sts[n], None) for n in group}, world)
+    with cpu_matmul_inputs("fp32"):  # the statistics may have been collected with bf16 matmul inputs; GPTQ never is
+        packed = quantize_shared({n: (lins[n].weight, [chosen[n]], sts[n], None) for n in group}, world)
     for n in group:
         st, w, (qw, _) = sts[n], lins[n].weight, packed[n][0]
         deq = qw.dequantize().to(device=w.device, dtype=w.dtype)
@@ -259,7 +272,7 @@ def _quantize_group(group: list[str], lins: dict[str, nn.Module], chosen: dict[s
 
 
 def finalize_units(p: Prepared, enc_of: dict[str, Encoding], qws: dict[str, QuantizedWeight | None], groups: str,
-                   device: str, owned: bool, show_progress: bool) -> dict[str, Any]:
+                   device: str, owned: bool, show_progress: bool, precision: str = "fp32") -> dict[str, Any]:
     """Stage ``finalize`` on a prepared model: re-quantize each chosen linear (``enc_of``) on the outputs of the
     quantized layers before it; ``qws`` (unit name -> packed weight) is updated in place. ``owned``: no caller
     keeps ``p`` for another budget, so the linears' candidates are freed before finalize makes their
@@ -272,6 +285,6 @@ def finalize_units(p: Prepared, enc_of: dict[str, Encoding], qws: dict[str, Quan
     fixed = {n: qws[n] for n, u in p.units.items() if u.kind != "linear"}
     final, info = finalize(p.model, p.windows, {n: enc_of[n] for n in lin_names}, fixed,
                            p.grads["out_grad_sq"] if p.grads is not None else None,
-                           resolve_device(device), show_progress, groups=groups, world=join())
+                           resolve_device(device), show_progress, groups=groups, world=join(), precision=precision)
     qws.update(final)
     return info
