@@ -14,7 +14,8 @@ On CUDA (one command, nothing to edit):
   shrink/expand kernels vs the base kernel alone and vs applying the adapters one by one;
 - end-to-end greedy decoding tokens/s (batch 1, 64 new tokens): fused vs reference vs the fp16 model, on a
   model built from a 1B Llama-style config (Llama-3.2-1B geometry) with random weights, saved, and
-  compressed by ``qrecover.api.compress`` at 3.7 bpw with 3/4-bit palettization (a byte-level tokenizer and
+  compressed by ``qrecover.api.compress`` at 3.7 bpw over the whole model: 3/4-bit palettization, the tied
+  embedding and head 4-bit blockwise (the head on the kernels too: ``QuantLMHead``) (a byte-level tokenizer and
   synthetic calibration text are generated, so nothing is downloaded); fused vs reference checked on the
   prompt's logits.
 
@@ -54,7 +55,7 @@ from qrecover.io_utils import write_text_atomic  # noqa: E402
 from qrecover.kernels import reference  # noqa: E402
 from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora  # noqa: E402
 from qrecover.packing import packed_nbytes  # noqa: E402
-from qrecover.qlinear import QuantEmbedding, QuantLinear  # noqa: E402
+from qrecover.qlinear import QuantEmbedding, QuantLinear, QuantLMHead  # noqa: E402
 from qrecover.schemes import QuantizedWeight  # noqa: E402
 
 GPU_SHAPES = [(2048, 8192), (3072, 8192), (4096, 4096), (4096, 14336), (14336, 4096)]
@@ -286,9 +287,11 @@ def bench_decode(device: str, config: dict, timed: bool, new_tokens: int) -> dic
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(src)
         t0 = time.time()
-        # a 3/4-bit mix at 3.7 bpw; no error feedback: the values do not change the speed, and it saves minutes
-        cfg = CompressConfig(model=str(src), bpw=3.7, scope="linear", bits=[3, 4], calib_data=calib, calib_samples=4,
-                             seq_len=128, scheme_params={"error_feedback": False})
+        # a 3/4-bit mix, 3.7 bpw over the whole model: the embedding (and so the tied head, 21% of a 1B Llama's
+        # weights) 4-bit in blocks of 32 with zero points, as `--embedding-bits auto` stores it; no error feedback:
+        # the values do not change the speed, and it saves minutes
+        cfg = CompressConfig(model=str(src), bpw=3.7, scope="model", bits=[3, 4], calib_data=calib, calib_samples=4,
+                             seq_len=128, scheme_params={"error_feedback": False}, embedding_encodings="blockwise:4/b32/asym")
         compress(cfg, out=tmp / "ckpt", show_progress=False)
         compress_s = time.time() - t0
         dtype = torch.float16 if timed else torch.float32
@@ -322,17 +325,22 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
 
     quant = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     calls = {"fused": 0}
+    head = qmodel.get_output_embeddings()
     row = {"checkpoint": str(ckpt), "measured_bpw": qmodel.qrecover_manifest.get("measured_bpw"), "new_tokens": new_tokens,
-           "kernel_layers": f"{sum(not isinstance(kernels.layer_format(m), str) for m in quant)}/{len(quant)}"}
+           "kernel_layers": f"{sum(not isinstance(kernels.layer_format(m), str) for m in quant)}/{len(quant)}",
+           # a tied packed head takes the kernels' path on CUDA too (QuantLMHead); an unquantized head is a dense matmul
+           "head": (f"packed, {kernels.layer_format(head)}" if isinstance(head, QuantLMHead) else f"dense {type(head).__name__}"),
+           **weight_mb_per_token(qmodel)}
     old = os.environ.get("QRECOVER_KERNELS")
     try:
-        if device == "cpu":  # QuantLinear.forward only dispatches CUDA inputs: route its layers to the kernel here
-            for m in quant:
-                if not isinstance(kernels.layer_format(m), str):
-                    m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
+        # QuantLinear.forward (and QuantLMHead's) only dispatches CUDA inputs: route the packed layers to the kernel here
+        routed = quant + ([head] if isinstance(head, QuantLMHead) else []) if device == "cpu" else []
+        for m in routed:
+            if not isinstance(kernels.layer_format(m), str):
+                m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
         os.environ["QRECOVER_KERNELS"] = "1"
         fused_tokens, fused_tps, fused_logits = generate(qmodel)
-        for m in quant:
+        for m in routed:
             m.__dict__.pop("forward", None)
         if device == "cpu" and not calls["fused"]:
             raise RuntimeError("no layer went through the fused kernel")
@@ -351,6 +359,20 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
             row["tok_s_fp16"] = generate(dense)[1]
         row.update(static_graph_decode(qmodel, dense, ids, new_tokens))
     return row
+
+
+def weight_mb_per_token(model) -> dict:
+    """MB of weights one decoded token reads (every linear layer and the output head once; lookups and norms are
+    negligible), packed as stored and as fp16 for the same shapes: their ratio bounds the decode speed-up when
+    bandwidth bounds decoding."""
+    head = model.get_output_embeddings()
+    mods = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head] + [head]
+    packed = fp16 = 0
+    for m in mods:
+        shape = tuple(m.shape) if isinstance(m, (QuantLinear, QuantLMHead)) else tuple(m.weight.shape)
+        fp16 += shape[0] * shape[1] * 2
+        packed += m.nbytes if isinstance(m, (QuantLinear, QuantLMHead)) else m.weight.numel() * m.weight.element_size()
+    return {"weight_mb_per_token": packed / 1e6, "weight_mb_per_token_fp16": fp16 / 1e6, "bandwidth_bound_vs_fp16": fp16 / packed}
 
 
 def static_graph_decode(qmodel, dense, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -407,7 +429,10 @@ def markdown(result: dict) -> str:
             continue
         what = f"{d['config']}, compressed in {d['compress_s']:.0f} s" if "config" in d else d["checkpoint"]
         lines += ["", f"greedy decode ({what}, bpw {d['measured_bpw']}): "
-                  f"{d['kernel_layers']} linear layers on the kernel; prompt logits fused vs reference rel. err "
+                  f"{d['kernel_layers']} linear layers on the kernel, head {d.get('head', '?')}; weights read per token "
+                  f"{d['weight_mb_per_token']:.1f} MB against {d['weight_mb_per_token_fp16']:.1f} in fp16 (at most "
+                  f"{d['bandwidth_bound_vs_fp16']:.2f}x where bandwidth bounds decoding); prompt logits fused vs "
+                  "reference rel. err "
                   f"{d['prompt_logits_rel_err']:.1e}; greedy tokens agree on {d['greedy_tokens_match']:.0%} of {d['new_tokens']}"]
         if timed:
             lines[-1] += f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}"

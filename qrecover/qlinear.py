@@ -309,16 +309,50 @@ def local_packed_bytes(model: nn.Module) -> int:
 
 
 class QuantLMHead(nn.Module):
-    """The output projection tied to a :class:`QuantEmbedding`: the packed matrix is stored once."""
+    """The output projection tied to a :class:`QuantEmbedding`: the packed matrix is stored once.
+
+    On CUDA it is a packed linear layer to the kernels (:func:`qrecover.kernels.linear`): the measured dispatch picks
+    the fused kernel, torch's int4 matmul or a dense matmul, whichever it timed faster. The embedding's dense cache is
+    for its lookups, which read a few rows per token; the head reads the whole matrix at every token (on a 1B model
+    with a 128k vocabulary, 525 MB in fp16 against about 140 MB packed), so that cache does not decide the head's path.
+    Its dense candidate is the embedding's cache where the dtypes agree (no second copy). On the CPU, while training,
+    and while the embedding trains (``qrecover tune``) it is ``F.linear`` on the embedding's dense weight, as before.
+    """
+
+    #: what the kernels read from a packed layer, taken from the embedding (the packed tensors by their own names)
+    _SHARED = frozenset({"scheme", "bits", "shape", "params", "_quantizer", "_tensor_names", "_masters", "compute_dtype",
+                         "nbytes", "packed"})
+    bias = None
+    cache = False  # the embedding's cache serves lookups; the dispatch chooses the head's path
 
     def __init__(self, embedding: QuantEmbedding):
         super().__init__()
         object.__setattr__(self, "embedding", embedding)  # a reference, not a submodule: no duplicate state
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+        self._dense = self._dispatch_dense = None
+
+    def __getattr__(self, name: str):
+        emb = self.__dict__.get("embedding")
+        if emb is not None and (name in QuantLMHead._SHARED or name in emb._tensor_names):
+            return getattr(emb, name)
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        """A move or cast drops what the kernels kept for the old device or dtype (the embedding moves itself)."""
+        for name in ("_dispatch_dense", "_dispatch_int4", "_kernel_repack", "_nibble_repack"):
+            self.__dict__.pop(name, None)
+        self._dense = self._dispatch_dense = None
+        return super()._apply(fn, recurse)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.embedding.dequantize()
 
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The embedding's dense weight (its cache where it keeps one in ``dtype``)."""
+        return self.embedding.dequantize(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.gpu_device(x.device) and not self.embedding._masters:
+            return kernels.linear(self, x)
         return F.linear(x, self.embedding.dequantize(x.dtype))

@@ -44,10 +44,15 @@ def interpreted_kernels(names: tuple[str, ...] = KERNEL_MODULES, main: str = "qr
 
 
 def make_layer(scheme: str, bits: int, out_f: int, in_f: int, bias: bool = True, seed: int = 0, **params) -> QuantLinear:
-    """A packed ``QuantLinear (out_f, in_f)`` of a seeded random weight, on the test device, in eval mode (inference)."""
+    """A packed ``QuantLinear (out_f, in_f)`` of a seeded random weight, on the test device, in eval mode (inference);
+    GPTQ layers quantized against a seeded Hessian."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g)
-    qw = get_quantizer(scheme, **params).quantize(w, bits, {})
+    stats = {}
+    if scheme == "gptq":  # GPTQ needs a Hessian: inputs with uneven column scales
+        x = torch.randn(4 * in_f, in_f, generator=g, dtype=torch.float64) * torch.linspace(0.2, 2.0, in_f, dtype=torch.float64)
+        stats = {"hessian": x.T @ x / x.shape[0]}
+    qw = get_quantizer(scheme, **params).quantize(w, bits, stats)
     return QuantLinear(qw, bias=torch.randn(out_f, generator=g) if bias else None).to(DEV).eval()
 
 

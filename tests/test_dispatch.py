@@ -189,3 +189,39 @@ def test_training_and_dense_cache_answer_before_select(on_gpu, monkeypatch):
     monkeypatch.setenv("QRECOVER_KERNELS", "1")  # forced: select decides (fused), as before
     with pytest.raises(AssertionError, match="select called"), torch.no_grad():
         layer(x)
+
+
+def test_tied_head_is_a_packed_linear_to_the_dispatch(on_gpu, monkeypatch):
+    """A tied ``QuantLMHead`` on a GPU takes the measured path of a packed linear layer: the embedding's dense cache
+    (made for lookups) does not send it to the dense matmul; the dense candidate it times is that cache (no second
+    copy); in training it is the dense path again, and the CPU path is ``F.linear`` on the embedding's weight."""
+    from qrecover.qlinear import QuantEmbedding, QuantLMHead
+    from qrecover.schemes import get_quantizer
+
+    timer = FakeTimer({1: {"fused": 1.0, "dense": 2.0}, 32: {"fused": 3.0, "dense": 1.0}})
+    monkeypatch.setattr(dispatch, "timer", timer)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    emb = QuantEmbedding(get_quantizer("blockwise", block_size=32, symmetric=False).quantize(w, 4, {}), cache=True).to(DEV)
+    head = QuantLMHead(emb).eval()
+    assert kernels.layer_format(head) == kernels.layer_format(emb) and head.shape == (96, 64)
+    with torch.no_grad():
+        emb(torch.tensor([[1, 5, 7]], device=DEV))  # lookups: the embedding keeps its dense cache
+        cache = emb._dense
+        assert cache is not None and cache.dtype == torch.float32
+        x1, x20 = torch.randn(1, 64, device=DEV), torch.randn(20, 64, device=DEV)
+        w64 = emb._quantizer.dequantize(emb.packed, torch.float64)  # not emb.dequantize: that would replace its cache
+        ref = lambda x: x.double() @ w64.T  # noqa: E731
+        assert rel_err(head(x1), ref(x1)) < 1e-5
+        assert on_gpu and timer.calls == [(1, "fused"), (1, "dense")]  # timed, not sent to the cache
+        assert head._dispatch_dense is None and emb._dense is cache  # fused won; the cache is the embedding's still
+        assert rel_err(head(x20), ref(x20)) < 1e-5
+        # dense won at batch 20: its weight is the embedding's cache (the same memory), not a copy
+        assert head._dispatch_dense.data_ptr() == cache.data_ptr() and emb._dense is cache
+        n = len(on_gpu)
+        head.train()
+        assert rel_err(head(x1), ref(x1)) < 1e-5 and len(on_gpu) == n  # training: the dense path
+    head.to(DEV)
+    assert head._dispatch_dense is None  # a move drops what the kernels kept
+    monkeypatch.setattr(kernels, "gpu_device", lambda device: False)
+    monkeypatch.setattr(head.embedding, "dequantize", lambda dtype=None: cache.to(dtype or cache.dtype))
+    assert torch.equal(head.eval()(x1), torch.nn.functional.linear(x1, cache)) and len(on_gpu) == n

@@ -13,9 +13,11 @@ needs_op = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_f
 
 
 @needs_op
-@pytest.mark.parametrize("block,symmetric", [(32, True), (64, True), (64, False), (128, False)])
-def test_int4pack_reads_the_same_weights(block, symmetric):
-    layer = make_layer("blockwise", 4, 48, 256, block_size=block, symmetric=symmetric).cpu()
+@pytest.mark.parametrize("scheme,block,symmetric", [("blockwise", 32, True), ("blockwise", 64, True), ("blockwise", 64, False),
+                                                    ("blockwise", 128, False), ("gptq", 64, False), ("gptq", 32, True)])
+def test_int4pack_reads_the_same_weights(scheme, block, symmetric):
+    key = "block_size" if scheme == "blockwise" else "group_size"
+    layer = make_layer(scheme, 4, 48, 256, **{key: block, "symmetric": symmetric}).cpu()
     fmt = layer_format(layer)
     assert int4pack.supported(fmt)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):

@@ -25,7 +25,7 @@ from kernel_helpers import CUDA, DEV, make_layer, ref64, rel_err
 from qrecover import kernels
 from qrecover.errors import QRecoverError
 from qrecover.kernels import KernelChoice, layer_format, reference, select
-from qrecover.kernels.formats import Config
+from qrecover.kernels.formats import BLOCKWISE, Config
 from qrecover.kernels.multi_adapter import MultiAdapterLinear, add_lora, lora_delta_reference, stack_adapters
 from qrecover.packing import unpack
 
@@ -41,6 +41,9 @@ FORMATS = (
     [("palettize", b, dict(block_size=c)) for b in (2, 3, 4) for c in (None, 32)]
     + [("palettize", 8, dict(block_size=64))]  # 256-entry tables: gathered through L1, not registers
     + [("blockwise", b, dict(block_size=c, symmetric=s)) for b in (2, 3, 4, 8) for c in (32, 64, None) for s in (True, False)]
+    # GPTQ: blockwise's tensors with block_size = group_size, served by the blockwise kernels
+    + [("gptq", 4, dict(group_size=32, symmetric=False, act_order=True)), ("gptq", 3, dict(group_size=64, symmetric=True)),
+       ("gptq", 2, dict(group_size=None, symmetric=False)), ("gptq", 8, dict(group_size=32, symmetric=True))]
 )
 
 
@@ -188,6 +191,13 @@ def test_layer_format_reads_the_stored_geometry():
     assert (fmt.bits, fmt.out_f, fmt.in_f, fmt.group, fmt.cblock, fmt.has_zp) == (4, 32, 128, 16, 64, False)
     fmt = layer_format(make_layer("blockwise", 2, 8, 96, block_size=None, symmetric=False))
     assert (fmt.group, fmt.cblock, fmt.has_zp) == (1, 96, True)
+    # GPTQ is blockwise's layout with block_size = group_size (the default, asymmetric: zero points stored)
+    gptq = make_layer("gptq", 4, 8, 128, group_size=64)
+    fmt = layer_format(gptq)
+    assert (fmt.scheme, fmt.bits, fmt.group, fmt.cblock, fmt.has_zp) == (BLOCKWISE, 4, 1, 64, True)
+    assert "zero_point" in gptq._tensor_names
+    fmt = layer_format(make_layer("gptq", 3, 8, 96, group_size=None, symmetric=True))
+    assert (fmt.scheme, fmt.cblock, fmt.has_zp) == (BLOCKWISE, 96, False)
 
 
 def test_cpu_forward_is_the_reference_path_bit_for_bit():

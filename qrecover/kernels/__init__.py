@@ -40,7 +40,8 @@ from .formats import BLOCKWISE, PALETTIZE, Format
 logger = logging.getLogger("qrecover.kernels")
 
 #: bit widths the fused kernel decodes (codes never straddle a 32-bit word, or straddle at fixed offsets for 3)
-KERNEL_BITS = {"palettize": (2, 3, 4, 8), "blockwise": (2, 3, 4, 8)}
+#: GPTQ stores and decodes exactly blockwise's tensors (``block_size = group_size``): the blockwise kernels serve it
+KERNEL_BITS = {"palettize": (2, 3, 4, 8), "blockwise": (2, 3, 4, 8), "gptq": (2, 3, 4, 8)}
 GEMV_MAX_BATCH = 16
 
 _logged: set[tuple] = set()
@@ -92,7 +93,8 @@ def triton_available() -> bool:
 def layer_format(layer) -> Format | str:
     """The kernel :class:`~qrecover.kernels.qmatmul.Format` of a packed layer, or a string saying why it has none.
 
-    Pure: reads ``layer.scheme/bits/shape/params`` and which buffers it has; needs no triton and no GPU.
+    Pure: reads ``layer.scheme/bits/shape/params``, its quantizer's block and which buffers it has; needs no triton
+    and no GPU.
     """
     scheme, bits, (out_f, in_f), params = layer.scheme, layer.bits, tuple(layer.shape), layer.params
     if scheme not in KERNEL_BITS:
@@ -103,8 +105,8 @@ def layer_format(layer) -> Format | str:
         return f"in_features={in_f} is not a multiple of 32 (rows must start on a 32-bit word)"
     if scheme == "palettize":
         group, cblock, has_zp = int(params.get("group_size", 16)), int(params.get("block_size") or in_f), False
-    else:
-        group, cblock, has_zp = 1, int(params.get("block_size") or in_f), not params.get("symmetric", True)
+    else:  # blockwise, or GPTQ (blockwise's tensors): the block its quantizer decodes with, zero points if stored
+        group, cblock, has_zp = 1, int(layer._quantizer._block((out_f, in_f))), "zero_point" in layer._tensor_names
     if cblock % 32:
         return f"block_size={cblock} is not a multiple of 32"
     return Format(PALETTIZE if scheme == "palettize" else BLOCKWISE, bits, out_f, in_f, group, cblock, has_zp)
