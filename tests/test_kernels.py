@@ -40,6 +40,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 FORMATS = (
     [("palettize", b, dict(block_size=c)) for b in (2, 3, 4) for c in (None, 32)]
     + [("palettize", 8, dict(block_size=64))]  # 256-entry tables: gathered through L1, not registers
+    + [("palettize", b, dict(group_size=1, error_feedback=False)) for b in (3, 4)]  # a table per row: embedding candidates
     + [("blockwise", b, dict(block_size=c, symmetric=s)) for b in (2, 3, 4, 8) for c in (32, 64, None) for s in (True, False)]
     # GPTQ: blockwise's tensors with block_size = group_size, served by the blockwise kernels
     + [("gptq", 4, dict(group_size=32, symmetric=False, act_order=True)), ("gptq", 3, dict(group_size=64, symmetric=True)),
