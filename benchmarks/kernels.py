@@ -366,7 +366,7 @@ def weight_mb_per_token(model) -> dict:
     negligible), packed as stored and as fp16 for the same shapes: their ratio bounds the decode speed-up when
     bandwidth bounds decoding."""
     head = model.get_output_embeddings()
-    mods = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head] + [head]
+    mods = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head] + [head]
     packed = fp16 = 0
     for m in mods:
         shape = tuple(m.shape) if isinstance(m, (QuantLinear, QuantLMHead)) else tuple(m.weight.shape)

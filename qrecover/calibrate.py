@@ -34,7 +34,7 @@ import torch.nn as nn
 from .distributed import SINGLE, OrderedSum, World
 from .grad_pass import Stop as _Stop
 from .grad_pass import gradient_stats, to_device
-from .hardware import native_bf16
+from .hardware import wants_bf16
 from .models import decoder_layers, linear_layers, module_name, resident
 from .moe import expert_key
 from .progress import progress
@@ -300,8 +300,7 @@ def gradients(model: nn.Module, windows: torch.Tensor, plan: StatsPlan, device, 
     'bf16' (autocast) or 'auto' (bf16 where the device computes it natively)."""
     if not plan.gradients:
         return None
-    bf16 = precision == "bf16" or (precision == "auto" and native_bf16())
-    return gradient_stats(model, windows, show_progress, device, group=group, bf16=bf16)
+    return gradient_stats(model, windows, show_progress, device, group=group, bf16=wants_bf16(precision))
 
 
 def layer_pass(model: nn.Module, windows: torch.Tensor, want: frozenset[str],

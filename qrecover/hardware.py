@@ -21,6 +21,11 @@ def native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and check is not None and check())
 
 
+def wants_bf16(precision: str) -> bool:
+    """A ``--*-precision`` option's answer here: 'bf16', or 'auto' where :func:`native_bf16` holds."""
+    return precision == "bf16" or (precision == "auto" and native_bf16())
+
+
 @contextlib.contextmanager
 def cpu_matmul_inputs(kind: str) -> Iterator[None]:
     """While active, the CPU's float32 matmuls (oneDNN: ``torch.mm``, ``F.linear``, ``@``) round their inputs to

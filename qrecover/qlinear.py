@@ -314,7 +314,7 @@ class QuantLMHead(nn.Module):
     On CUDA it is a packed linear layer to the kernels (:func:`qrecover.kernels.linear`): the measured dispatch picks
     the fused kernel, torch's int4 matmul or a dense matmul, whichever it timed faster. The embedding's dense cache is
     for its lookups, which read a few rows per token; the head reads the whole matrix at every token (on a 1B model
-    with a 128k vocabulary, 525 MB in fp16 against about 140 MB packed), so that cache does not decide the head's path.
+    with a 128k vocabulary, 525 MB in fp16 against about 152 MB packed at 4 bits), so that cache does not decide the head's path.
     Its dense candidate is the embedding's cache where the dtypes agree (no second copy). On the CPU, while training,
     and while the embedding trains (``qrecover tune``) it is ``F.linear`` on the embedding's dense weight, as before.
     """

@@ -718,12 +718,12 @@ def test_finalize_precision_bf16_rounds_the_statistics_passes_only(tiny_model_di
     error feedback) with float32 ones; the manifest records it, the setting is restored, and the weights are as good
     as the fp32 run's (reconstruction error within 10%). 'auto' is bf16 only on a CPU that computes it natively,
     never on a GPU; a bad value is refused before any work."""
+    import qrecover.hardware as hardware
     import qrecover.stages.finalize as fin
     from qrecover.checkpoint import read_packed
 
     knob = torch.backends.mkldnn.matmul
     before = knob.fp32_precision
-    seen = {"stats": set(), "quantize": set()}
     real_stats, real_quantize = fin.layer_stats, fin.quantize_shared
     monkeypatch.setattr(fin, "layer_stats", lambda *a, **k: seen["stats"].add(knob.fp32_precision) or real_stats(*a, **k))
     monkeypatch.setattr(fin, "quantize_shared",
@@ -742,9 +742,9 @@ def test_finalize_precision_bf16_rounds_the_statistics_passes_only(tiny_model_di
         err[kind] = sum(float((packed[n].dequantize() - weights[f"{n}.weight"]).norm() ** 2) for n in packed
                         if f"{n}.weight" in weights)
     assert 0 < err["bf16"] <= 1.1 * err["fp32"]
-    monkeypatch.setattr(fin, "native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "native_bf16", lambda: False)
     assert [fin.matmul_inputs(p, "cpu") for p in ("fp32", "bf16", "auto")] == ["fp32", "bf16", "fp32"]
-    monkeypatch.setattr(fin, "native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "native_bf16", lambda: True)
     assert fin.matmul_inputs("auto", "cpu") == "bf16"
     assert fin.matmul_inputs("auto", "cuda") == fin.matmul_inputs("bf16", torch.device("cuda", 0)) == "fp32"
     with pytest.raises(QRecoverError, match="--finalize-precision 'half' must be fp32, bf16 or auto"):

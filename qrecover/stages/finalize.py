@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
 from ..distributed import SINGLE, World, join
-from ..hardware import cpu_matmul_inputs, native_bf16
+from ..hardware import cpu_matmul_inputs, wants_bf16
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
@@ -184,7 +184,7 @@ def matmul_inputs(precision: str, device) -> str:
     the CPU's matmuls take it (:func:`~qrecover.hardware.cpu_matmul_inputs`): on a GPU finalize stays fp32."""
     if torch.device(device).type != "cpu":
         return "fp32"
-    return "bf16" if precision == "bf16" or (precision == "auto" and native_bf16()) else "fp32"
+    return "bf16" if wants_bf16(precision) else "fp32"
 
 
 def _first_inputs(model: nn.Module, windows: torch.Tensor, fixed: dict[str, QuantizedWeight], device,
