@@ -5,9 +5,18 @@
 # 2026-11-26); pip installs everything instead where uv cannot be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if [ ! -d /usr/share/doc/python3.11/html/_sources ]; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3.11-doc >/dev/null
+fi
+# gperftools' tcmalloc, which compress's processes allocate with where it is installed (qrecover/cli/launch.py: on the
+# quick start 32 M -> 2 M page faults and -20% wall time, the same bytes; docs/compress.md). Optional: without it
+# (no apt, no password-less sudo) compress runs with the C library's allocator.
+if command -v dpkg >/dev/null && ! dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1; then
+  [ -n "$SUDO" ] && SUDO="sudo -n"
+  { $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }; } 2>/dev/null \
+    || echo "note: libtcmalloc-minimal4 could not be installed; compress will allocate with the C library (slower)" >&2
 fi
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate

@@ -264,14 +264,33 @@ def test_ordered_sum_is_the_sequential_float64_sum():
     assert torch.equal(acc.reduce()["f"], torch.zeros(5, 4, dtype=torch.float64).index_add_(0, ids, rows))
 
 
+ALLOCATOR_SEEN = '''"""Each launched process records whether tcmalloc is mapped into it."""
+import os
+
+if os.environ.get("RANK") is not None:
+    with open("/proc/self/maps") as f:
+        mapped = "tcmalloc" in f.read()
+    with open(os.path.join(os.environ["QRECOVER_TEST_MAPS"], os.environ["RANK"]), "w") as f:
+        f.write(str(mapped))
+'''
+
+
 def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     """``qrecover compress --procs 2`` (no torchrun) runs 2 processes through torch's elastic launcher: rank 0's
-    report alone, the bytes of one process."""
-    one, two, tmp = tmp_path / "one", tmp_path / "two", tmp_path / "tmp"
-    tmp.mkdir()
+    report alone, the bytes of one process, and tcmalloc in both processes where it is installed (scripts/setup.sh
+    installs it; the system allocator otherwise)."""
+    from qrecover.cli.launch import MALLOC_ENV, tcmalloc_path
+
+    one, two, tmp, hook, maps = (tmp_path / n for n in ("one", "two", "tmp", "hook", "maps"))
+    for d in (tmp, hook, maps):
+        d.mkdir()
+    (hook / "sitecustomize.py").write_text(ALLOCATOR_SEEN)
     compress(CompressConfig(model=str(tiny_model_dir), encodings=MENUS["gptq"], **RUN), out=one, show_progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "QRECOVER_TEST_MAPS": str(maps),
+           "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for k in ("LD_PRELOAD", MALLOC_ENV):
+        env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, two, MENUS["gptq"]),
                            "--procs", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
@@ -279,6 +298,30 @@ def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     assert end == len(proc.stdout.strip()) and report["out"] == str(two)
     assert _digests(one)["model.safetensors"] == _digests(two)["model.safetensors"]
     assert list(tmp.iterdir()) == []  # no temporary directory left behind (the launcher's torchelastic_* logs were)
+    seen = {p.name: p.read_text() for p in maps.iterdir()}
+    assert seen == {"0": str(tcmalloc_path() is not None), "1": str(tcmalloc_path() is not None)}
+
+
+def test_launched_processes_allocate_with_tcmalloc_unless_told_not_to(tmp_path):
+    """The launched processes' allocator: tcmalloc where one of its names is in the searched directories, the first
+    directory first; nothing where ``QRECOVER_MALLOC=system``, where ``LD_PRELOAD`` is the user's already, or where
+    none is installed. tcmalloc's report of allocations over 1 GB is silenced unless the user set its threshold."""
+    from qrecover.cli.launch import MALLOC_ENV, allocator_env, tcmalloc_path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    assert tcmalloc_path((str(a), str(b))) is None
+    (b / "libtcmalloc.so.4").write_bytes(b"")
+    assert tcmalloc_path((str(a), str(b))) == f"{b}/libtcmalloc.so.4"
+    (a / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    assert tcmalloc_path((str(a), str(b))) == f"{a}/libtcmalloc_minimal.so.4"
+    lib = "/x/libtcmalloc_minimal.so.4"
+    assert allocator_env({}, lib) == {"LD_PRELOAD": lib, "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**62)}
+    assert allocator_env({"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}, lib)["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
+    assert allocator_env({MALLOC_ENV: "system"}, lib) == {}
+    assert allocator_env({MALLOC_ENV: "tcmalloc"}, lib)["LD_PRELOAD"] == lib
+    assert allocator_env({"LD_PRELOAD": "/y/libjemalloc.so.2"}, lib) == {}
+    assert allocator_env({}, None) == {}
 
 
 def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):
