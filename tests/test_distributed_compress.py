@@ -324,6 +324,56 @@ def test_launched_processes_allocate_with_tcmalloc_unless_told_not_to(tmp_path):
     assert allocator_env({}, None) == {}
 
 
+RESTART_SEEN = '''"""Each start of a Python process records its id and whether tcmalloc is mapped into it."""
+import os
+
+with open("/proc/self/maps") as f:
+    mapped = "tcmalloc" in f.read()
+with open(os.environ["QRECOVER_TEST_MAPS"], "a") as f:
+    f.write(f"{os.getpid()} {mapped}\\n")
+'''
+
+
+def test_commands_that_run_a_model_restart_themselves_under_tcmalloc(tmp_path, monkeypatch):
+    """``qrecover ppl|recover|compress|...`` from the console replace their process by itself with tcmalloc preloaded
+    (same process id, one error message, exit code 2 for bad input); ``info``/``gate``/``report`` and ``--help`` do
+    not restart, nor a process that has ``LD_PRELOAD`` already or ``QRECOVER_MALLOC=system``."""
+    import qrecover.cli.launch as launch
+
+    monkeypatch.setattr(launch, "tcmalloc_path", lambda: "/x/libtcmalloc_minimal.so.4")
+    assert launch.with_tcmalloc(["recover", "ckpt"], {}) == list(sys.orig_argv)
+    assert launch.with_tcmalloc(["compress", "--bpw", "3.7"], {}) == list(sys.orig_argv)
+    for args in (["info", "ckpt"], ["gate", "r.json"], ["recover", "--help"], ["compress", "-h"], []):
+        assert launch.with_tcmalloc(args, {}) is None, args
+    assert launch.with_tcmalloc(["recover", "ckpt"], {"LD_PRELOAD": "/y/lib.so"}) is None
+    assert launch.with_tcmalloc(["recover", "ckpt"], {launch.MALLOC_ENV: "system"}) is None
+    monkeypatch.setattr(launch, "tcmalloc_path", lambda: None)
+    assert launch.with_tcmalloc(["recover", "ckpt"], {}) is None
+    monkeypatch.undo()
+
+    hook, log = tmp_path / "hook", tmp_path / "starts"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RESTART_SEEN)
+    env = {**os.environ, "QRECOVER_TEST_MAPS": str(log),
+           "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for k in ("LD_PRELOAD", launch.MALLOC_ENV):
+        env.pop(k, None)
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "ppl", str(missing)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.count(f"model {str(missing)!r} does not exist") == 1, proc.stderr
+    starts = [line.split() for line in log.read_text().splitlines()]
+    if launch.tcmalloc_path() is None:
+        assert [m for _, m in starts] == ["False"]
+    else:
+        assert len({pid for pid, _ in starts}) == 1 and [m for _, m in starts] == ["False", "True"]
+    log.unlink()
+    env[launch.MALLOC_ENV] = "system"
+    subprocess.run([sys.executable, "-m", "qrecover.cli", "ppl", str(missing)], env=env, capture_output=True, timeout=300,
+                   cwd=ROOT)
+    assert [line.split()[1] for line in log.read_text().splitlines()] == ["False"]
+
+
 def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):
     from qrecover.cli.launch import MIN_SPLIT_BYTES, auto_procs, float32_bytes, parse_procs, procs_for
 

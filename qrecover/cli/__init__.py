@@ -21,7 +21,7 @@ from . import recover as _recover
 from . import report as _report
 from . import tune as _tune
 from .common import INVOKED
-from .launch import LAUNCHED
+from .launch import LAUNCHED, restart_with_tcmalloc
 
 app = typer.Typer(
     name="qrecover",
@@ -47,6 +47,8 @@ app.add_typer(_data.app, name="data")
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: bad input ends with its message and exit code 2, never a traceback (printed by rank 0
     alone under a launch of several processes)."""
+    if argv is None:  # the console: the commands that run a model restart under tcmalloc where it is installed
+        restart_with_tcmalloc(sys.argv[1:])
     INVOKED[:] = sys.argv[1:] if argv is None else argv  # what --procs relaunches (qrecover.cli.launch)
     try:
         app(args=argv, prog_name="qrecover", standalone_mode=True)
