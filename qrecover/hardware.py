@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 
@@ -26,12 +27,32 @@ def wants_bf16(precision: str) -> bool:
     return precision == "bf16" or (precision == "auto" and native_bf16())
 
 
+@functools.cache
+def cpu_rounds_bf16_inputs() -> bool:
+    """Whether this CPU's float32 matmuls take :func:`cpu_matmul_inputs`'s 'bf16' (oneDNN rounds their inputs to bf16).
+    An Intel Xeon with AMX does; the 2-core AMD EPYC with AVX512-BF16 of 2026-11-29's eighth session (torch 2.13) does
+    not: the setting leaves its products exact. Probed once: a 16 x 64 x 16 product whose inputs bf16 cannot hold,
+    compared with the exact one."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 64, generator=g), torch.randn(64, 16, generator=g)
+    with cpu_matmul_inputs("bf16"):
+        got = (a @ b).double()
+    return bool((got - a.double() @ b.double()).abs().max() > 1e-3)
+
+
+def bf16_matmul_inputs(precision: str) -> bool:
+    """A ``--finalize-precision`` answer on the CPU: :func:`wants_bf16` and the CPU takes it
+    (:func:`cpu_rounds_bf16_inputs`), so that what is recorded is what ran."""
+    return wants_bf16(precision) and cpu_rounds_bf16_inputs()
+
+
 @contextlib.contextmanager
 def cpu_matmul_inputs(kind: str) -> Iterator[None]:
     """While active, the CPU's float32 matmuls (oneDNN: ``torch.mm``, ``F.linear``, ``@``) round their inputs to
     bf16 (``kind`` 'bf16': products and sums stay float32) or keep them float32 (``kind`` 'fp32'); the setting before
-    is put back on exit. It changes no GPU matmul. Where the CPU has AMX (or AVX512-BF16) this is 2-4x faster than
-    float32 for the default model's shapes (docs/compress.md, "bf16 matmuls in finalize")."""
+    is put back on exit. It changes no GPU matmul. Where the CPU has AMX this is 2-4x faster than float32 for the
+    default model's shapes (docs/compress.md, "bf16 matmuls in finalize"); some CPUs ignore 'bf16'
+    (:func:`cpu_rounds_bf16_inputs`)."""
     if kind not in ("bf16", "fp32"):
         raise ValueError(f"cpu_matmul_inputs: kind {kind!r} must be 'bf16' or 'fp32'")
     knob = torch.backends.mkldnn.matmul

@@ -688,10 +688,11 @@ def test_bf16_gradient_pass_keeps_the_statistics_close(tiny_model_dir, layerwise
 
 
 def test_cpu_matmul_inputs_rounds_to_bf16_and_restores_the_setting():
-    """``cpu_matmul_inputs('bf16')``: a float32 matmul equals the float32 product of its bf16-rounded inputs (where
-    the CPU multiplies bf16 natively) and so differs from the exact one; the setting before is back on exit, an
-    exception included; an unknown kind is refused."""
-    from qrecover.hardware import cpu_matmul_inputs, native_bf16
+    """``cpu_matmul_inputs('bf16')``: a float32 matmul equals the float32 product of its bf16-rounded inputs where
+    the CPU takes the setting (``cpu_rounds_bf16_inputs``: an Intel CPU with AMX) and so differs from the exact one,
+    and is the exact product where it does not (an AMD EPYC with AVX512-BF16); the setting before is back on exit,
+    an exception included; an unknown kind is refused."""
+    from qrecover.hardware import cpu_matmul_inputs, cpu_rounds_bf16_inputs
 
     knob = torch.backends.mkldnn.matmul
     before = knob.fp32_precision
@@ -701,11 +702,13 @@ def test_cpu_matmul_inputs_rounds_to_bf16_and_restores_the_setting():
     rounded = (a.bfloat16().double() @ b.bfloat16().double()).float()
     with cpu_matmul_inputs("fp32"):
         assert torch.allclose(a @ b, exact, rtol=1e-4, atol=1e-4)
-    if native_bf16():
-        with cpu_matmul_inputs("bf16"):
-            got = a @ b
+    with cpu_matmul_inputs("bf16"):
+        got = a @ b
+    if cpu_rounds_bf16_inputs():
         assert torch.allclose(got, rounded, rtol=1e-5, atol=1e-4)
         assert (got - exact).abs().max() > 1e-2  # really rounded: bf16 keeps 8 significant bits
+    else:
+        assert torch.allclose(got, exact, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="boom"), cpu_matmul_inputs("bf16"):
         raise RuntimeError("boom")
     assert knob.fp32_precision == before
@@ -717,11 +720,13 @@ def test_finalize_precision_bf16_rounds_the_statistics_passes_only(tiny_model_di
     """--finalize-precision bf16: finalize's statistics passes run with bf16 matmul inputs, its quantization (GPTQ's
     error feedback) with float32 ones; the manifest records it, the setting is restored, and the weights are as good
     as the fp32 run's (reconstruction error within 10%). 'auto' is bf16 only on a CPU that computes it natively,
-    never on a GPU; a bad value is refused before any work."""
+    never on a GPU; on a CPU that ignores bf16 inputs it is fp32, recorded as such (an asked-for bf16 warns); a bad
+    value is refused before any work."""
     import qrecover.hardware as hardware
     import qrecover.stages.finalize as fin
     from qrecover.checkpoint import read_packed
 
+    monkeypatch.setattr(hardware, "cpu_rounds_bf16_inputs", lambda: True)  # the setting's path on any CPU
     knob = torch.backends.mkldnn.matmul
     before = knob.fp32_precision
     real_stats, real_quantize = fin.layer_stats, fin.quantize_shared
@@ -747,6 +752,10 @@ def test_finalize_precision_bf16_rounds_the_statistics_passes_only(tiny_model_di
     monkeypatch.setattr(hardware, "native_bf16", lambda: True)
     assert fin.matmul_inputs("auto", "cpu") == "bf16"
     assert fin.matmul_inputs("auto", "cuda") == fin.matmul_inputs("bf16", torch.device("cuda", 0)) == "fp32"
+    monkeypatch.setattr(hardware, "cpu_rounds_bf16_inputs", lambda: False)
+    assert fin.matmul_inputs("auto", "cpu") == "fp32"
+    with pytest.warns(UserWarning, match="ignores bf16 inputs for float32 matmuls"):
+        assert fin.matmul_inputs("bf16", "cpu") == "fp32"
     with pytest.raises(QRecoverError, match="--finalize-precision 'half' must be fp32, bf16 or auto"):
         _cfg(tiny_model_dir, finalize_precision="half")
 

@@ -13,6 +13,7 @@ loaded model's layer is read from disk for its turn and dropped after (:func:`qr
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from ..calibrate import capture_inputs, forward_layer, layer_stats, linear_groups
 from ..distributed import SINGLE, World, join
-from ..hardware import cpu_matmul_inputs, wants_bf16
+from ..hardware import bf16_matmul_inputs, cpu_matmul_inputs
 from ..models import decoder_layers, linear_layers, module_name, resident
 from ..progress import progress
 from ..schemes import QuantizedWeight
@@ -180,11 +181,19 @@ def finalize(model: nn.Module, windows: torch.Tensor, chosen: dict[str, Encoding
 
 def matmul_inputs(precision: str, device) -> str:
     """What finalize's statistics passes round their matmul inputs to on ``device``: 'bf16' where ``precision`` is
-    'bf16', or 'auto' on a CPU that computes bf16 natively (:func:`~qrecover.hardware.native_bf16`); else 'fp32'. Only
-    the CPU's matmuls take it (:func:`~qrecover.hardware.cpu_matmul_inputs`): on a GPU finalize stays fp32."""
+    'bf16', or 'auto' on a CPU that computes bf16 natively (:func:`~qrecover.hardware.native_bf16`), and the CPU's
+    matmuls take it (:func:`~qrecover.hardware.cpu_rounds_bf16_inputs`; an asked-for 'bf16' they ignore warns);
+    else 'fp32'. Only the CPU's matmuls take it (:func:`~qrecover.hardware.cpu_matmul_inputs`): on a GPU finalize
+    stays fp32."""
     if torch.device(device).type != "cpu":
         return "fp32"
-    return "bf16" if wants_bf16(precision) else "fp32"
+    if bf16_matmul_inputs(precision):
+        return "bf16"
+    if precision == "bf16":
+        warnings.warn("qrecover: --finalize-precision bf16: this CPU's matrix library ignores bf16 inputs for float32 "
+                      "matmuls (an Intel CPU with AMX takes them); finalize runs in fp32, as the manifest records",
+                      stacklevel=2)
+    return "fp32"
 
 
 def _first_inputs(model: nn.Module, windows: torch.Tensor, fixed: dict[str, QuantizedWeight], device,
