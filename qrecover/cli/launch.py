@@ -45,8 +45,8 @@ MAX_AUTO = 8
 #: set in the environment of the processes :func:`relaunch` starts (they leave reporting an interruption to it)
 LAUNCHED = "QRECOVER_PROCS_CHILD"
 
-#: ``system`` keeps the C library's allocator in the processes :func:`relaunch` starts; anything else (the default)
-#: preloads tcmalloc where it is installed (:func:`allocator_env`)
+#: ``system`` keeps the C library's allocator (no restart of a console command, nothing preloaded in the processes
+#: :func:`relaunch` starts); anything else (the default) preloads tcmalloc where it is installed (:func:`allocator_env`)
 MALLOC_ENV = "QRECOVER_MALLOC"
 #: gperftools' tcmalloc as Debian/Ubuntu (``libtcmalloc-minimal4``, which ``scripts/setup.sh`` installs) and others
 #: name it, and the directories searched for it
@@ -69,7 +69,7 @@ def allocator_env(environ: dict[str, str], found: str | None) -> dict[str, str]:
     """The variables to add to the launched processes' environment so that they allocate with tcmalloc (``found``):
     glibc's malloc hands the large blocks of each window's activations and each candidate's temporaries back to the
     kernel when they are freed and takes them again zeroed, page by page; tcmalloc keeps and reuses them. Measured on
-    the quick start (docs/compress.md): 32 M -> 2 M page faults, 97 -> 21 s of system time, -20% wall time, the same
+    the quick start (docs/compress.md): 32 M -> 2.5 M page faults, 97 -> 20 s of system time, -22% wall time, the same
     bytes. Nothing when ``QRECOVER_MALLOC=system``, when nothing was found, or when ``LD_PRELOAD`` is already set (the
     user's own choice)."""
     if environ.get(MALLOC_ENV, "").lower() == "system" or not found or environ.get("LD_PRELOAD"):
