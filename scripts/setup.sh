@@ -10,7 +10,7 @@ if [ ! -d /usr/share/doc/python3.11/html/_sources ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3.11-doc >/dev/null
 fi
 # gperftools' tcmalloc, which compress's processes allocate with where it is installed (qrecover/cli/launch.py: on the
-# quick start 32 M -> 2 M page faults and -20% wall time, the same bytes; docs/compress.md). Optional: without it
+# quick start 32 M -> 2.5 M page faults and -22% wall time, the same bytes; docs/compress.md). Optional: without it
 # (no apt, no password-less sudo) compress runs with the C library's allocator.
 if command -v dpkg >/dev/null && ! dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1; then
   [ -n "$SUDO" ] && SUDO="sudo -n"

@@ -264,15 +264,19 @@ def test_ordered_sum_is_the_sequential_float64_sum():
     assert torch.equal(acc.reduce()["f"], torch.zeros(5, 4, dtype=torch.float64).index_add_(0, ids, rows))
 
 
-ALLOCATOR_SEEN = '''"""Each launched process records whether tcmalloc is mapped into it."""
+STARTS_SEEN = '''"""Each start of a Python process records its rank (- outside a launch), its id and whether tcmalloc is
+mapped into it."""
 import os
 
-if os.environ.get("RANK") is not None:
-    with open("/proc/self/maps") as f:
-        mapped = "tcmalloc" in f.read()
-    with open(os.path.join(os.environ["QRECOVER_TEST_MAPS"], os.environ["RANK"]), "w") as f:
-        f.write(str(mapped))
+with open("/proc/self/maps") as f:
+    mapped = "tcmalloc" in f.read()
+with open(os.environ["QRECOVER_TEST_MAPS"], "a") as f:
+    f.write(f"{os.environ.get('RANK', '-')} {os.getpid()} {mapped}\\n")
 '''
+
+
+def _starts(log) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()]
 
 
 def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
@@ -281,10 +285,10 @@ def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     installs it; the system allocator otherwise)."""
     from qrecover.cli.launch import MALLOC_ENV, tcmalloc_path
 
-    one, two, tmp, hook, maps = (tmp_path / n for n in ("one", "two", "tmp", "hook", "maps"))
-    for d in (tmp, hook, maps):
+    one, two, tmp, hook, maps = (tmp_path / n for n in ("one", "two", "tmp", "hook", "starts"))
+    for d in (tmp, hook):
         d.mkdir()
-    (hook / "sitecustomize.py").write_text(ALLOCATOR_SEEN)
+    (hook / "sitecustomize.py").write_text(STARTS_SEEN)
     compress(CompressConfig(model=str(tiny_model_dir), encodings=MENUS["gptq"], **RUN), out=one, show_progress=False)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp),
            "QRECOVER_TEST_MAPS": str(maps),
@@ -298,7 +302,7 @@ def test_procs_option_launches_the_processes_itself(tiny_model_dir, tmp_path):
     assert end == len(proc.stdout.strip()) and report["out"] == str(two)
     assert _digests(one)["model.safetensors"] == _digests(two)["model.safetensors"]
     assert list(tmp.iterdir()) == []  # no temporary directory left behind (the launcher's torchelastic_* logs were)
-    seen = {p.name: p.read_text() for p in maps.iterdir()}
+    seen = {rank: mapped for rank, _, mapped in _starts(maps) if rank != "-"}
     assert seen == {"0": str(tcmalloc_path() is not None), "1": str(tcmalloc_path() is not None)}
 
 
@@ -324,36 +328,27 @@ def test_launched_processes_allocate_with_tcmalloc_unless_told_not_to(tmp_path):
     assert allocator_env({}, None) == {}
 
 
-RESTART_SEEN = '''"""Each start of a Python process records its id and whether tcmalloc is mapped into it."""
-import os
-
-with open("/proc/self/maps") as f:
-    mapped = "tcmalloc" in f.read()
-with open(os.environ["QRECOVER_TEST_MAPS"], "a") as f:
-    f.write(f"{os.getpid()} {mapped}\\n")
-'''
-
-
 def test_commands_that_run_a_model_restart_themselves_under_tcmalloc(tmp_path, monkeypatch):
     """``qrecover ppl|recover|compress|...`` from the console replace their process by itself with tcmalloc preloaded
     (same process id, one error message, exit code 2 for bad input); ``info``/``gate``/``report`` and ``--help`` do
     not restart, nor a process that has ``LD_PRELOAD`` already or ``QRECOVER_MALLOC=system``."""
     import qrecover.cli.launch as launch
 
-    monkeypatch.setattr(launch, "tcmalloc_path", lambda: "/x/libtcmalloc_minimal.so.4")
-    assert launch.with_tcmalloc(["recover", "ckpt"], {}) == list(sys.orig_argv)
-    assert launch.with_tcmalloc(["compress", "--bpw", "3.7"], {}) == list(sys.orig_argv)
+    lib = "/x/libtcmalloc_minimal.so.4"
+    monkeypatch.setattr(launch, "tcmalloc_path", lambda: lib)
+    assert launch.with_tcmalloc(["recover", "ckpt"], {})["LD_PRELOAD"] == lib
+    assert launch.with_tcmalloc(["compress", "--bpw", "3.7"], {})["LD_PRELOAD"] == lib
     for args in (["info", "ckpt"], ["gate", "r.json"], ["recover", "--help"], ["compress", "-h"], []):
-        assert launch.with_tcmalloc(args, {}) is None, args
-    assert launch.with_tcmalloc(["recover", "ckpt"], {"LD_PRELOAD": "/y/lib.so"}) is None
-    assert launch.with_tcmalloc(["recover", "ckpt"], {launch.MALLOC_ENV: "system"}) is None
+        assert launch.with_tcmalloc(args, {}) == {}, args
+    assert launch.with_tcmalloc(["recover", "ckpt"], {"LD_PRELOAD": "/y/lib.so"}) == {}
+    assert launch.with_tcmalloc(["recover", "ckpt"], {launch.MALLOC_ENV: "system"}) == {}
     monkeypatch.setattr(launch, "tcmalloc_path", lambda: None)
-    assert launch.with_tcmalloc(["recover", "ckpt"], {}) is None
+    assert launch.with_tcmalloc(["recover", "ckpt"], {}) == {}
     monkeypatch.undo()
 
     hook, log = tmp_path / "hook", tmp_path / "starts"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(RESTART_SEEN)
+    (hook / "sitecustomize.py").write_text(STARTS_SEEN)
     env = {**os.environ, "QRECOVER_TEST_MAPS": str(log),
            "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     for k in ("LD_PRELOAD", launch.MALLOC_ENV):
@@ -362,16 +357,16 @@ def test_commands_that_run_a_model_restart_themselves_under_tcmalloc(tmp_path, m
     proc = subprocess.run([sys.executable, "-m", "qrecover.cli", "ppl", str(missing)], env=env, capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.count(f"model {str(missing)!r} does not exist") == 1, proc.stderr
-    starts = [line.split() for line in log.read_text().splitlines()]
+    starts = _starts(log)
     if launch.tcmalloc_path() is None:
-        assert [m for _, m in starts] == ["False"]
+        assert [m for _, _, m in starts] == ["False"]
     else:
-        assert len({pid for pid, _ in starts}) == 1 and [m for _, m in starts] == ["False", "True"]
+        assert len({pid for _, pid, _ in starts}) == 1 and [m for _, _, m in starts] == ["False", "True"]
     log.unlink()
     env[launch.MALLOC_ENV] = "system"
     subprocess.run([sys.executable, "-m", "qrecover.cli", "ppl", str(missing)], env=env, capture_output=True, timeout=300,
                    cwd=ROOT)
-    assert [line.split()[1] for line in log.read_text().splitlines()] == ["False"]
+    assert [m for _, _, m in _starts(log)] == ["False"]
 
 
 def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):

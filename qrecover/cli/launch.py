@@ -83,25 +83,24 @@ def allocator_env(environ: dict[str, str], found: str | None) -> dict[str, str]:
 HEAVY_COMMANDS = frozenset({"compress", "recover", "finetune", "tune", "ppl", "eval", "pipeline", "export", "data"})
 
 
-def with_tcmalloc(args: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
-    """The command line to restart this process with (same interpreter, flags and arguments, ``sys.orig_argv``) so that
-    it allocates with tcmalloc, or None to go on as it is: for :data:`HEAVY_COMMANDS` (not their ``--help``), where
-    :func:`allocator_env` adds something (it is installed, not opted out, no ``LD_PRELOAD`` yet). The restart is an
-    ``exec``: the same process id, so signals, exit codes and launchers (``torchrun``) see one process. Measured
-    (docs/compress.md): ``qrecover recover`` 16k tokens 223 -> 173 s, the same adapter bytes; the quick compress -22%."""
-    environ = os.environ if environ is None else environ
+def with_tcmalloc(args: list[str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables a console command ``args`` restarts with so that it allocates with tcmalloc (:func:`allocator_env`),
+    or none to go on as it is: only :data:`HEAVY_COMMANDS` (not their ``--help``) restart, where tcmalloc is installed,
+    not opted out and no ``LD_PRELOAD`` is set yet. Measured (docs/compress.md): ``qrecover recover`` 16k tokens
+    223 -> 173 s, the same adapter bytes; the quick compress -22%."""
     if not args or args[0] not in HEAVY_COMMANDS or "--help" in args or "-h" in args:
-        return None
-    return list(sys.orig_argv) if allocator_env(dict(environ), tcmalloc_path()) else None
+        return {}
+    return allocator_env(dict(os.environ if environ is None else environ), tcmalloc_path())
 
 
 def restart_with_tcmalloc(args: list[str]) -> None:
-    """Replace this process by itself under tcmalloc where :func:`with_tcmalloc` says so; else return."""
-    argv = with_tcmalloc(args)
-    if argv is not None:
-        env = {**os.environ, **allocator_env(dict(os.environ), tcmalloc_path())}
+    """Replace this process by itself (same interpreter, flags and arguments: ``sys.orig_argv``) under tcmalloc where
+    :func:`with_tcmalloc` says so; else return. An ``exec``: the same process id, so signals, exit codes and launchers
+    (``torchrun``) see one process."""
+    extra = with_tcmalloc(args)
+    if extra:
         sys.stdout.flush(), sys.stderr.flush()
-        os.execve(sys.executable, argv, env)
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **extra})
 
 
 def parse_procs(value: str) -> int | None:
