@@ -2,7 +2,7 @@
 
 The tuner (``qrecover.kernels.qmatmul._tune``) times a short candidate list with ``triton.testing.do_bench``;
 ``benchmarks/kernels.py --quick`` times only its first 6. This sweep asks what the kernel can do at all on one
-shape: tile shapes x warps x inline-PTX loads x table layouts, each at split-K 1-64, every call reading another
+shape: tile shapes x warps x inline-PTX loads x table layouts x word pipelining (``Config.pipe``), each at split-K 1-64, every call reading another
 copy of the weights inside one CUDA graph (``kernel_timing.cold_ms``, the protocol of ``kernels.py``), and prints
 the fastest configurations per format against fp16, with the tuner's own pick for comparison. GPU only:
 
@@ -39,7 +39,8 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def variants(fmt, gemv) -> list:
-    """(block_n, block_k, warps, asm, lut) variants, the likeliest first."""
+    """(block_n, block_k, warps, asm, lut, pipe) variants, the likeliest first (each pipelined one after its twin)."""
+    from qrecover.kernels import qmatmul
     from qrecover.kernels.formats import Config
 
     modes = gemv.table_modes(fmt) if fmt.scheme == 0 else ((gemv.BLOCKWISE_H2, -1) if fmt.bits == 4 else (-1,))
@@ -55,6 +56,8 @@ def variants(fmt, gemv) -> list:
                     if (lut in gemv.register_modes(fmt) or lut in gemv.H2_MODES) and not asm:  # the interpreter's stand-in
                         continue
                     out.append(Config(1, bn, bk, 1, False, warps, 2, asm, lut))
+                    if asm:  # its twin with the code words through triton's pipeliner (Config.pipe; reads them plainly)
+                        out.append(Config(1, bn, bk, 1, False, warps, 2, asm, lut, pipe=qmatmul.PIPE_STAGES))
     # 4 warps and asm first; on the first three tiles every register-table mode (never timed before: nibble codes and
     # fp16 pair FMAs first) and the default table layout (the 2026-11-27 sweep's best), then the other tiles, then the rest
     order = [m for m in (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)

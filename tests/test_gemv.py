@@ -7,6 +7,8 @@ forced here on small layers too; the repacked tables are checked entry by entry.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_helpers import DEV, make_layer, ref64, rel_err
@@ -106,31 +108,34 @@ def test_the_tuner_may_pick_another_table_layout(interp):
     for mode in (gemv.LUT_PAIRS, gemv.LUT_FP32):
         y = kernels.fused_linear(layer, x, config=Config(1, 32, 128, 2, False, lut=mode))
         assert rel_err(y, ref64(layer, x)) < 1e-5, mode
-    from qrecover.kernels.qmatmul import candidate_configs
+    from qrecover.kernels.qmatmul import PIPE_STAGES, candidate_configs
 
     configs = candidate_configs(fmt, 1)
     # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), then the register tables
     # (never timed yet; fewer instructions per weight since the fp16 chains span four tiles) of the two first tiles;
-    # pairs among the first ten
+    # pairs among the first twelve; the first two register-table candidates come first with their code words pipelined
     assert configs[0].lut == gemv.LUT_FP32 and configs[0].asm
-    assert [c.lut for c in configs[1:5]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
-    assert [(c.block_n, c.block_k) for c in configs[1:5:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
+    assert configs[1:3] == [dataclasses.replace(c, pipe=PIPE_STAGES) for c in configs[3:5]]
+    assert [c.lut for c in configs[3:7]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
+    assert [(c.block_n, c.block_k) for c in configs[3:7:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
     assert max(c.block_m * c.block_n * c.block_k for c in configs) <= 16384
-    assert [c.lut for c in configs[5:7]] == [gemv.LUT_FP32] * 2
-    assert gemv.LUT_PAIRS in {c.lut for c in configs[:10]}
+    assert [c.lut for c in configs[7:9]] == [gemv.LUT_FP32] * 2
+    assert gemv.LUT_PAIRS in {c.lut for c in configs[:12]}
 
 
 def test_blockwise_decode_candidates_pair_each_tile_with_its_inline_ptx_variant():
     """Blockwise 4-bit at batch 1: each tile's inline-PTX variant (code words read through PTX, no layout conversion
     per tile) is timed just before the plain variant the H100 measured, with the fp16 pair mode of the two first tiles
-    second and third, so ``--quick`` times every kind."""
-    from qrecover.kernels.qmatmul import candidate_configs
+    fourth and fifth, after the same two with their code words pipelined (``Config.pipe``), so ``--quick`` times every
+    kind."""
+    from qrecover.kernels.qmatmul import PIPE_STAGES, candidate_configs
 
     fmt = layer_format(make_layer("blockwise", 4, 64, 4096, block_size=64))
     configs = candidate_configs(fmt, 1)
-    assert [(c.asm, c.lut) for c in configs[:6]] == [(True, -1), (True, gemv.BLOCKWISE_H2), (True, gemv.BLOCKWISE_H2),
-                                                     (False, -1), (True, -1), (False, -1)]
-    assert [(c.block_n, c.block_k) for c in configs[:4]] == [(128, 64), (128, 64), (64, 64), (128, 64)]
+    assert [(c.asm, c.lut, c.pipe) for c in configs[:8]] == [
+        (True, -1, 0), (True, gemv.BLOCKWISE_H2, PIPE_STAGES), (True, gemv.BLOCKWISE_H2, PIPE_STAGES),
+        (True, gemv.BLOCKWISE_H2, 0), (True, gemv.BLOCKWISE_H2, 0), (False, -1, 0), (True, -1, 0), (False, -1, 0)]
+    assert [(c.block_n, c.block_k) for c in configs[:6]] == [(128, 64), (128, 64), (64, 64), (128, 64), (64, 64), (128, 64)]
     fmt3 = layer_format(make_layer("blockwise", 3, 64, 4096, block_size=64))
     assert gemv.BLOCKWISE_H2 not in {c.lut for c in candidate_configs(fmt3, 1)}  # 4-bit codes only
 
@@ -211,6 +216,29 @@ def test_register_tables_in_the_decode_kernel(interp, mode, bits, block, in_f):
         assert y.dtype == dtype and rel_err(y, ref64(layer, x)) < tol, (mode, bits, block, batch, cfg)
 
 
+@pytest.mark.parametrize("scheme,bits,block,lut,symmetric", [
+    ("palettize", 3, None, gemv.LUT_PAIRS, True), ("palettize", 3, 32, gemv.LUT_FP16, True),
+    ("palettize", 4, None, gemv.LUT_FP32, True), ("palettize", 3, None, gemv.LUT_REGS_NIBBLES_H2, True),
+    ("palettize", 2, None, gemv.LUT_REGS_NIBBLES, True), ("palettize", 4, None, gemv.LUT_REGS_H2, True),
+    ("blockwise", 4, 64, gemv.BLOCKWISE_H2, True), ("blockwise", 3, 64, -1, False)])
+def test_pipelined_word_loads_give_the_hand_prefetchs_results(interp, scheme, bits, block, lut, symmetric):
+    """``Config.pipe``: the code words read plainly at each tile (compiled, triton's pipeliner issues them tiles ahead
+    through shared memory) give exactly the results of the hand prefetch one tile ahead in registers, and match
+    float64: every table layout, register tables on stored and nibble codes, fp16 pair FMAs, blockwise with zero
+    points; split-K 1 and 3 (5 and 2 tiles per program, neither a multiple of the stages)."""
+    params = {"symmetric": symmetric} if scheme == "blockwise" else {}
+    layer = make_layer(scheme, bits, 48, 320, block_size=block, **params)
+    h2 = lut in gemv.H2_MODES or (scheme == "blockwise" and lut == gemv.BLOCKWISE_H2)
+    for batch in (1, 3):
+        x = torch.randn(batch, 320, device=DEV).to(torch.float16 if h2 else torch.float32)
+        for split in (1, 3):
+            cfg = Config(4 if batch > 2 else batch, 16, 64 if block != 32 else 32, split, False, asm=True, lut=lut)
+            y0 = kernels.fused_linear(layer, x, config=cfg)
+            y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, pipe=4))
+            assert torch.equal(y, y0), (scheme, bits, lut, batch, split)
+            assert rel_err(y, ref64(layer, x)) < (2e-3 if h2 else 1e-5), (scheme, bits, lut, batch, split)
+
+
 @pytest.mark.parametrize("block,symmetric", [(64, True), (32, False), (None, False)])
 def test_blockwise_fp16_pair_mode_in_the_decode_kernel(interp, block, symmetric):
     """Blockwise 4-bit codes as fp16 pairs by their bits (``gemv.BLOCKWISE_H2``: ``c - z`` exact, fp16 pair FMAs in
@@ -264,10 +292,12 @@ def test_nibble_codes_are_kept_only_where_the_tuner_chose_them(interp, monkeypat
     tuned launch then reads them."""
     layer = make_layer("palettize", 3, 64, 4096)
     fmt = layer_format(layer)
-    first = interp.candidate_configs(fmt, 1)[:5]
+    first = interp.candidate_configs(fmt, 1)[:7]
     assert first[0].lut == -1 and first[0].asm  # the pair-table kernel stays first (the interpreter runs it)
-    assert [(c.lut, c.asm) for c in first[1:5]] == [(m, True) for m in (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES,
-                                                                      gemv.LUT_REGS_H2, gemv.LUT_REGS)]
+    assert [(c.lut, c.asm, c.pipe) for c in first[1:7]] == [
+        (m, True, p) for m, p in ((gemv.LUT_REGS_NIBBLES_H2, interp.PIPE_STAGES), (gemv.LUT_REGS_NIBBLES, interp.PIPE_STAGES),
+                                  (gemv.LUT_REGS_NIBBLES_H2, 0), (gemv.LUT_REGS_NIBBLES, 0), (gemv.LUT_REGS_H2, 0),
+                                  (gemv.LUT_REGS, 0))]
     x = torch.randn(1, 4096, device=DEV)
     assert "qdata_nibbles" not in kernels.kernel_tensors(layer, fmt)
     monkeypatch.setattr(interp, "_TUNED", {(fmt, 1, x.dtype, x.device.type): Config(1, 32, 128, 2, False, lut=gemv.LUT_REGS_NIBBLES)})
@@ -453,3 +483,31 @@ def test_register_tables_compile_to_prmt_without_table_loads():
     for row in (regs, nibbles):  # one prmt per weight: 256 per thread per 1x128x256 tile (4 warps)
         assert row[2] >= 256 and row[3] == 0 and row[1] < pairs[1] / 2, (row, pairs)
     assert nibbles[0] < pairs[0] and nibbles[0] < regs[0], got
+
+
+_PIPE_ISA = """
+import json
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv
+cc.ALIGNED = True
+out = {}
+for label, sig, const, opts in cc.gemv_variants("default", [(1, 64, 256, 4)], pipes=(0, 4)):
+    if const["BITS"] == 3 and const["SCHEME"] == 0 and const["ASM"] and const["LUT"] == gemv.LUT_REGS_NIBBLES_H2:
+        k = cc._compile(gemv._gemv_kernel, sig, const, GPUTarget("cuda", 90, 32), **opts)
+        row = cc.isa_row(k, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"], cc.chain_tiles(const))
+        out[const["PIPE"]] = [row["global load"], row["total"], k.asm["ptx"].count("cp.async"), k.metadata.shared,
+                              cc.resources(k).get("STACK", 0)]
+print(json.dumps(out))
+"""
+
+
+def test_pipelined_words_compile_to_asynchronous_copies():
+    """Compiled for sm_90 as at run time (no GPU needed): with ``Config.pipe`` the decode kernel's main loop issues no
+    global load of its own (the code words and activations arrive by ``cp.async`` into shared memory, 3 tiles ahead
+    with 4 stages), at most 0.6 more thread instructions per weight than the hand prefetch (3-bit nibble codes,
+    register tables, fp16 pair FMAs, 1x64x256: 2.81 -> 3.22 under triton 3.6), without spilling."""
+    got = {int(k): v for k, v in _compiled(_PIPE_ISA).items()}
+    hand, piped = got[0], got[4]
+    assert hand[0] > 0 and hand[2] == 0, hand
+    assert piped[0] == 0 and piped[2] > 0 and piped[3] > 3 * 64 * 256 * 3 // 8 and piped[4] == 0, piped
+    assert piped[1] < hand[1] + 0.6, got

@@ -75,6 +75,56 @@ def test_tuner_skips_configs_that_do_not_compile_and_names_them():
         qmatmul._fastest(configs[:2], time_one)
 
 
+def test_tuner_skips_a_config_whose_result_differs_from_the_reference():
+    """A candidate whose output differs from the dequantize-then-matmul path's (a variant miscompiled on this GPU or
+    this triton: most of the decode kernel's variants have never run on a GPU) is skipped with a warning naming it,
+    however fast it is, and is never timed; rounding-level differences (bf16) pass; if none agrees, the error says how
+    to run the dense path."""
+    from qrecover.kernels import qmatmul
+    from qrecover.kernels.formats import Format
+
+    configs = qmatmul.candidate_configs(Format(0, 3, 256, 1024, 16, 1024, False), 1)[:4]
+    ref = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    outputs = {configs[0]: ref.bfloat16(), configs[1]: -ref, configs[2]: torch.full_like(ref, float("nan")),
+               configs[3]: ref.half()}
+    times = dict(zip(configs, (3.0, 1.0, 0.5, 2.0)))
+    timed = []
+
+    def time_one(cfg):
+        timed.append(cfg)
+        return times[cfg]
+
+    with pytest.warns(UserWarning, match="differs from the reference path") as seen:
+        assert qmatmul._fastest(configs, time_one, lambda c: qmatmul._agrees(outputs[c], ref)) == configs[3]
+    assert [str(configs[1]) in str(w.message) for w in seen] == [True, False]
+    assert str(configs[2]) in str(seen[1].message) and timed == [configs[0], configs[3]]
+    assert not qmatmul._agrees(ref * (1 + 2 * qmatmul.CHECK_TOL), ref)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="agreed with the reference.*QRECOVER_KERNELS=0"):
+        qmatmul._fastest(configs[1:3], time_one, lambda c: qmatmul._agrees(outputs[c], ref))
+
+
+def test_fused_linear_gives_the_tuner_its_layers_reference_path(interp, monkeypatch):
+    """What the tuner checks its candidates against (on a GPU) is the layer's own reference path, bias included."""
+    from kernel_helpers import DEV, make_layer
+
+    from qrecover import kernels
+    from qrecover.kernels import reference
+
+    layer = make_layer("palettize", 3, 32, 64)
+    x = torch.randn(2, 64, device=DEV)
+    seen, real = {}, interp._tune
+
+    def spy(x, fmt, tensors, bias, reference=None):
+        seen["ref"] = reference(x)
+        return real(x, fmt, tensors, bias, reference)
+
+    monkeypatch.setattr(interp, "_tune", spy)
+    monkeypatch.setattr(interp, "_TUNED", {})
+    y = kernels.fused_linear(layer, x)
+    assert torch.equal(seen["ref"], reference.linear(layer, x)) and layer.bias is not None
+    assert float((y - seen["ref"]).norm() / seen["ref"].norm()) < 1e-5
+
+
 def test_dry_run_builds_every_quick_case(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)

@@ -7,6 +7,8 @@ and asymmetric; split-K and the tuner's candidate lists.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_helpers import DEV, make_layer, ref64, rel_err
@@ -67,6 +69,23 @@ def test_3bit_codes_decode_exactly_in_the_dot_kernel(interp):
         assert torch.equal(y.cpu(), codes.T), lut
 
 
+@pytest.mark.parametrize("scheme,bits,params,lut", [("palettize", 3, {}, 4), ("palettize", 3, dict(block_size=32), 2),
+                                                     ("palettize", 4, {}, 3), ("blockwise", 4, dict(block_size=64), 5),
+                                                     ("blockwise", 3, dict(block_size=32, symmetric=False), -1)])
+def test_pipelined_word_loads_in_the_dot_kernel(interp, scheme, bits, params, lut):
+    """``Config.pipe``: the code words read at each tile (issued tiles ahead by triton's pipeliner when compiled) give
+    exactly the hand prefetch's results, and match float64; batch 5 and 33, split-K 1 and 2 (3 and 2 tiles per
+    program, fewer than the stages)."""
+    layer = _layer(scheme, bits, params)
+    for batch in (5, 33):
+        x = torch.randn(batch, 192, device=DEV).half()
+        for split in (1, 2):
+            cfg = interp.DotDecode(16 if batch <= 16 else 64, 32, 32, split, True, 4, 1, asm=True, lut=lut)
+            y0 = kernels.fused_linear(layer, x, config=cfg)
+            y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, pipe=4))
+            assert torch.equal(y, y0) and rel_err(y, ref64(layer, x)) < 2e-3, (scheme, bits, lut, batch, split)
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_blockwise_fp16_pairs_decode_the_same_weights_in_the_dot_kernel(interp, symmetric):
     """Blockwise 4-bit codes as fp16 pairs (gemv.BLOCKWISE_H2) at batch 5-64: one-hot fp16 rows read every weight back,
@@ -125,6 +144,8 @@ def test_tuner_offers_the_dot_decode_kernel_first(interp, batch):
         # register tables on nibble codes (inline PTX): the second decode-and-dot candidate, among the first three
         dots = [c for c in configs if isinstance(c, interp.DotDecode)]
         assert dots[1].lut == 4 and dots[1].asm and dots[1] in configs[:3]
+        # and the same with its code words pipelined (Config.pipe), among the first five
+        assert dots[2] == dataclasses.replace(dots[1], pipe=interp.PIPE_STAGES) and dots[2] in configs[:5]
         for c in configs:
             assert fmt.cblock % c.block_k == 0 and c.use_dot and c.block_m >= 16
             assert fmt.in_f >= c.block_k * c.split_k or c.split_k == 1

@@ -235,7 +235,9 @@ def fused_linear(layer, x: torch.Tensor, config=None) -> torch.Tensor:
     from .qmatmul import quant_matmul  # triton: an optional dependency, imported at first use
     tensors = kernel_tensors(layer, fmt)
     batch = x.numel() // x.shape[-1]
-    y = quant_matmul(x.reshape(batch, x.shape[-1]), fmt, tensors, layer.bias, config)
+    # the tuner checks each candidate against the dequantize-then-matmul path once (:func:`.qmatmul._tune`)
+    y = quant_matmul(x.reshape(batch, x.shape[-1]), fmt, tensors, layer.bias, config,
+                     reference=lambda v: reference.linear(layer, v))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 __all__ = ["KernelChoice", "select", "linear", "fused_linear", "layer_format", "enabled", "mode", "gpu_device", "is_training",

@@ -132,9 +132,10 @@ def _lut_type(scheme: int, lut: int) -> str:
     return ("*fp16", "*fp32", "*i64")[lut] if lut < gemv.LUT_REGS else "*i32"  # register tables: int32 byte planes
 
 
-def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = None):
+def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = None, pipes: tuple[int, ...] = (0,)):
     """``(label, signature, constexprs, options)`` for the decode kernel (:mod:`.gemv`), batch 1, each lut mode;
-    ``tiles``: ``(block_m, block_n, block_k, warps)`` in place of the two default tiles."""
+    ``tiles``: ``(block_m, block_n, block_k, warps)`` in place of the two default tiles; ``pipes``: the code words'
+    pipelining (``Config.pipe``: 0 by hand in registers, >= 2 triton's pipeliner through shared memory)."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_FP32),
                (0, 3, False, gemv.LUT_FP16),
@@ -151,7 +152,7 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
             if lut in gemv.H2_MODES and dt != "fp16":  # fp16 pair FMAs take fp16 activations only
                 continue
             asms = (False, True) if (scheme == 0 and lut) or bits in (3, 4) else (False,)  # inline-PTX loads (tables, words)
-            for (bm, bn, bk, warps), asm in [(t, a) for t in tiles for a in asms]:
+            for (bm, bn, bk, warps), asm, pipe in [(t, a, p) for t in tiles for a in asms for p in pipes]:
                 xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
                 lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": "*i32" if xp else f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16",
@@ -160,16 +161,18 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS)  # register tables: loaded once
+                             ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS, PIPE=pipe)  # register tables: loaded once
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles", " reg-lut h2",
                             " reg-lut nibbles h2")[lut] if scheme == 0 else (" h2" if lut == gemv.BLOCKWISE_H2 else "")
-                yield f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const, dict(num_warps=warps, num_stages=2)
+                yield (f"{name} {dt} decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''}{f' pipe{pipe}' if pipe else ''} w{warps}",
+                       sig, const, dict(num_warps=warps, num_stages=2))
 
 
-def dot_variants(level: str):
+def dot_variants(level: str, pipes: tuple[int, ...] = (0,)):
     """``(label, signature, constexprs, options)`` for the batch 5-64 decode-and-dot kernel (:mod:`.qmm_dot`): the
-    tuner's tiles for batch 16 (16x64x64, 16x64x128) and 64 (64x128x64), one stage (words prefetched by hand)."""
+    tuner's tiles for batch 16 (16x64x64, 16x64x128) and 64 (64x128x64), one stage (words prefetched by hand), or
+    ``pipes`` (``Config.pipe``)."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_PAIRS),
                (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
@@ -188,7 +191,7 @@ def dot_variants(level: str):
             # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
             asms = (False, True) if (scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS)) or lut == gemv.BLOCKWISE_H2 \
                 else (False,)
-            for (bm, bn, bk, warps, stages), asm in [(t, a) for t in tiles for a in asms]:
+            for (bm, bn, bk, warps, stages), asm, pipe in [(t, a, p) for t in tiles for a in asms for p in pipes]:
                 lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
                        "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
@@ -196,11 +199,13 @@ def dot_variants(level: str):
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, IEEE=dt == "fp32", ASM=asm,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS)
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS,
+                             PIPE=pipe)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles")[lut] if scheme == 0 else (
                     " h2" if lut == gemv.BLOCKWISE_H2 else "")
-                yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''} w{warps}", sig, const,
+                yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''}"
+                       f"{f' pipe{pipe}' if pipe else ''} w{warps}", sig, const,
                        dict(num_warps=warps, num_stages=stages))
 
 
@@ -217,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                     "pointers, shape integers divisible by 16, M = 1 at batch 1")
     ap.add_argument("--tiles", default="", help="decode-kernel tiles in place of the defaults, MxNxKwWARPS joined by "
                     "commas (e.g. '1x16x512w2,1x32x256w4')")
+    ap.add_argument("--pipe", default="0", help="decode-kernel word pipelining to compile (Config.pipe), joined by "
+                    "commas: 0 by hand in registers, >= 2 triton's pipeliner (e.g. '0,4')")
     args = ap.parse_args(argv)
     tiles = [tuple(int(v) for v in re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)", t).groups())
              for t in args.tiles.split(",") if t] or None
+    pipes = tuple(int(p) for p in args.pipe.split(","))
     global ALIGNED
     ALIGNED = args.aligned
     if qmatmul.interpreting():
@@ -235,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"| kernel (sm_{args.arch}) | registers | spill stack bytes |\n|---|---|---|")
     level = "all" if args.all else "smoke" if args.smoke else "default"
-    variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level, tiles)]
-                + [(qmm_dot._dot_decode_kernel, *v) for v in dot_variants(level)])
+    variants = ([(qmatmul._qmm_kernel, *v) for v in qmm_variants(level)] + [(gemv._gemv_kernel, *v) for v in gemv_variants(level, tiles, pipes)]
+                + [(qmm_dot._dot_decode_kernel, *v) for v in dot_variants(level, pipes)])
     for fn, label, sig, const, opts in [v for v in variants if args.match in v[1]]:
         kernel = _compile(fn, sig, const, target, **opts)
         r = resources(kernel)

@@ -30,7 +30,9 @@ class Config:
     decode kernel reads tables and 3-bit code words through inline PTX (:func:`qrecover.kernels.gemv._lut_load`;
     compiled kernels only, ignored under triton's interpreter). ``lut``: the decode kernel's palettize table layout
     (:mod:`qrecover.kernels.gemv`'s ``LUT_*``: fp16/fp32/pair tables read from memory, or register tables 3-6; -1 =
-    its default for the shape)."""
+    its default for the shape). ``pipe``: the decode kernel (batch 1-4) reads the code words through triton's
+    software pipeliner, ``pipe - 1`` tiles ahead through shared memory (asynchronous copies, ``cp.async``), instead of
+    one tile ahead in registers (0)."""
 
     block_m: int
     block_n: int
@@ -41,3 +43,4 @@ class Config:
     num_stages: int = 2
     asm: bool = False
     lut: int = -1
+    pipe: int = 0

@@ -18,7 +18,9 @@ shuffles), and each tile is reduced across lanes. Here:
   reductions (:func:`fp16_chains_allowed`);
 - ``Config.asm`` reads the tables and the strided 3-bit words through inline PTX (``ld.global.nc``): triton 3.6
   gives a plain gathered ``tl.load`` a register layout of its own and converts it back through shared memory;
-- the next tile's code words are requested before the current tile is decoded (a register double buffer);
+- the next tile's code words are requested before the current tile is decoded (a register double buffer), or
+  (``Config.pipe``) read plainly at each tile, which triton's pipeliner turns into asynchronous copies to shared memory
+  ``pipe - 1`` tiles ahead: more bytes in flight per SM, for a kernel the H100 measured latency-bound;
 - blockwise: the tile lies in one block, so ``sum_k x_k (c_k - z) s = s (sum_k x_k c_k - z sum_k x_k)``: one FMA
   per weight, the scale applied once per word; the code becomes a float through its bits (``2**23 + c``, minus
   ``2**23``: exact), a full-rate add instead of a quarter-rate ``I2F``; ``sum_k x_k`` in the same pass;
@@ -381,11 +383,13 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
                  k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, DIRECT: tl.constexpr,
                  XP: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROW_TABLES: tl.constexpr = False):
+                 ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0):
     """Program ``(n, m, s)``: rows ``n*BLOCK_N..``, inputs ``m*BLOCK_M..``, columns ``[s*k_split, (s+1)*k_split)``.
     ``stride_xm``: in elements of ``x_ptr`` (halved by the caller for the 32-bit pair view, ``XP > 0``).
     ``ROW_TABLES``: one palettize table per row group for the whole row (``CBLOCK == K``): register tables are
-    loaded once, before the K loop."""
+    loaded once, before the K loop. ``PIPE`` (>= 2): the code words are read plainly at each tile and triton's
+    pipeliner keeps ``PIPE - 1`` tiles of them in flight through shared memory (asynchronous copies); 0: the next tile's
+    words are requested by hand, in registers, before this tile is decoded."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -410,11 +414,14 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
     if H2 and SCHEME == 0:  # two fp16 pair accumulators per (input, row, word), flushed to fp32 every CHAIN_TILES tiles
         accp = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
         accq = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.int32)
-    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES, True)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
-        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM,
-                                 plane, PLANES, True)
+    if PIPE == 0:
+        w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES, True)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPE if PIPE else None):
+        if PIPE:  # plain loads, which the pipeliner issues PIPE - 1 tiles ahead (inline PTX cannot be pipelined)
+            w0, w1, w2 = _load_words(qw_ptr, row_word, k0, CPG, WPG, NW, BITS, False, plane, PLANES, False)
+        else:  # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
+            n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS,
+                                     ASM, plane, PLANES, True)
         cb = k0 // CBLOCK
         tbase = ((rows64 // GROUP) * n_cblocks + cb).to(tl.int32)  # table index (< 2**31): 32-bit offsets
         xoff = xrow[:, None] + ((k0 // CPG + tl.arange(0, NW)) * XSTEP)[None, :]
@@ -473,7 +480,8 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
         elif not H2:  # s * (sum x c - z sum x), per word: the tile lies in one block
             scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             acc += scale[None, :, None] * (part - zp[None, :, None] * sx[:, None, :])
-        w0, w1, w2 = n0, n1, n2
+        if PIPE == 0:
+            w0, w1, w2 = n0, n1, n2
     _store_tile(tl.sum(acc, axis=2), out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2),
                 DIRECT, HAS_BIAS)
 
@@ -629,7 +637,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not interpreting(),
-        ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k,
+        ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k, PIPE=cfg.pipe,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

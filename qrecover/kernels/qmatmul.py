@@ -245,7 +245,15 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int], fp16: bool = False) 
         # the first tile, second (2026-11-29, fifth session; never timed on a GPU): 4.3-5.4 thread instructions per
         # weight against 7.2-8.1 (compile_check --isa, sm_90, triton 3.6)
         out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.BLOCKWISE_H2))
+    if len(out) > len(shapes):  # that second candidate with its code words through triton's pipeliner, third
+        # (Config.pipe; never timed on a GPU): +0.2-1.3 thread instructions per weight for the nibble codes, fewer on
+        # the stored 3-bit codes (11.3 -> 7.4 at 16x64x64), the words PIPE_STAGES - 1 tiles ahead (compile_check --pipe)
+        out.insert(2, dataclasses.replace(out[1], pipe=PIPE_STAGES))
     return out
+
+
+#: pipeline stages of the decode kernel's pipelined candidates (``Config.pipe``): the code words 3 tiles ahead
+PIPE_STAGES = 4
 
 
 def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
@@ -294,6 +302,13 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
         reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
         first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.4-4.6 per weight against 7.7-8.1)
+    # the second and third candidates with their code words through triton's pipeliner, second and third in turn
+    # (asynchronous copies PIPE_STAGES - 1 tiles ahead instead of one tile in registers: the H100 measured this kernel
+    # latency-bound; +0.1-0.5 thread instructions per weight, compile_check --isa --pipe 0,4; never timed on a GPU yet).
+    # Blockwise words are the only thing ASM changes there, and the pipeliner reads them plainly: one copy for both
+    piped = [dataclasses.replace(c, pipe=PIPE_STAGES, asm=c.asm or (fmt.scheme == 1 and c.lut != gemv.BLOCKWISE_H2))
+             for c in first[1:3]]
+    first = list(dict.fromkeys(first[:1] + piped + first[1:]))
     asm = fmt.scheme == 0 or fmt.bits == 3
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
@@ -387,7 +402,22 @@ def _ieee_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
 
-def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None) -> Config:
+#: the largest relative error (Frobenius, against the reference path's output) a candidate may show at tuning: the
+#: kernels measure <= 2.8e-4 in fp16 (4.8e-4 with fp16 pair chains) and about 4e-3 in bf16, a wrongly compiled one O(1)
+CHECK_TOL = 1e-2
+
+
+def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether a candidate's output ``y`` is the reference's ``ref`` up to the kernels' rounding (:data:`CHECK_TOL`)."""
+    err = (y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+    return bool(torch.isfinite(err)) and float(err) <= CHECK_TOL
+
+
+def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
+          reference=None) -> Config:
+    """The fastest candidate for ``x``'s shape bucket and dtype (cached). On a GPU each candidate is first run once and
+    compared with ``reference(x)`` (the dequantize-then-matmul path's output; None: not checked): one whose result
+    differs (a variant miscompiled on this GPU or this triton) is skipped with a warning, never kept for being fast."""
     key = (fmt, _bucket(x.shape[0]), x.dtype, x.device.type)
     if key in _TUNED:
         return _TUNED[key]
@@ -404,20 +434,27 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     else:
         if any(c.lut in gemv.NIBBLE_MODES for c in configs) and "qdata_nibbles" not in tensors:
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
+        ref = None if reference is None else reference(x)
+        check = None if ref is None else (lambda cfg: _agrees(_launch(x, fmt, tensors, bias, cfg), ref))
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
-        best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None))
+        best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None), check)
         del sets
     _TUNED[key] = best
     return best
 
 
-def _fastest(configs: list[Config], time_one) -> Config:
+def _fastest(configs: list[Config], time_one, check=None) -> Config:
     """The config ``time_one(cfg)`` measures fastest. One that does not compile for this GPU is skipped: out of
     registers or shared memory silently, any other compile error (e.g. inline PTX the assembler rejects) with a
-    warning naming the config, so that a kernel variant never timed on this GPU cannot stop a layer from running."""
+    warning naming the config, so that a kernel variant never timed on this GPU cannot stop a layer from running.
+    ``check(cfg)``: False skips the config with a warning (its result differs from the reference path's)."""
     timings = {}
     for cfg in configs:
         try:
+            if check is not None and not check(cfg):
+                warnings.warn(f"qrecover: kernel config {cfg} gave a result that differs from the reference path's "
+                              f"(relative error above {CHECK_TOL}) on this GPU and was skipped", stacklevel=2)
+                continue
             timings[cfg] = time_one(cfg)
         except OutOfResources:
             continue
@@ -425,8 +462,8 @@ def _fastest(configs: list[Config], time_one) -> Config:
             warnings.warn(f"qrecover: kernel config {cfg} did not compile on this GPU and was skipped "
                           f"({type(e).__name__}: {str(e)[:300]})", stacklevel=2)
     if not timings:
-        raise RuntimeError(f"none of the {len(configs)} kernel configs compiled for this layer (the first: {configs[0]}); "
-                           "QRECOVER_KERNELS=0 runs the dense path instead")
+        raise RuntimeError(f"none of the {len(configs)} kernel configs compiled and agreed with the reference path for this "
+                           f"layer (the first: {configs[0]}); QRECOVER_KERNELS=0 runs the dense path instead")
     return min(timings, key=timings.get)
 
 
@@ -442,10 +479,11 @@ def _time(x: torch.Tensor, fmt: Format, sets: list[dict], bias: torch.Tensor | N
 
 
 def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None = None,
-                 config: Config | None = None) -> torch.Tensor:
+                 config: Config | None = None, reference=None) -> torch.Tensor:
     """``x (M, I) @ W^T + bias -> (M, O)`` in ``x.dtype``, ``W`` decoded from ``tensors`` (the layer's buffers).
 
-    ``config``: force one launch configuration (tests); default: tuned per shape and cached.
+    ``config``: force one launch configuration (tests); default: tuned per shape and cached, each candidate checked
+    against ``reference(x)`` first where given (:func:`_tune`).
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -453,8 +491,8 @@ def quant_matmul(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor],
         bias = bias.to(x.dtype)
     if x.is_cuda and x.device.index != torch.cuda.current_device():  # triton launches on the current device
         with torch.cuda.device(x.device):
-            return quant_matmul(x, fmt, tensors, bias, config)
-    cfg = config or _tune(x, fmt, tensors, bias)
+            return quant_matmul(x, fmt, tensors, bias, config, reference)
+    cfg = config or _tune(x, fmt, tensors, bias, reference)
     if fmt.cblock % cfg.block_k or (cfg.use_dot and cfg.block_m < 16):
         raise ValueError(f"{cfg=} is invalid for {fmt=}: block_k must divide cblock (a K-tile lies in one column "
                          "block) and a tl.dot tile needs block_m >= 16")

@@ -105,11 +105,12 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
                        GROUP: tl.constexpr, CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        LUT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROW_TABLES: tl.constexpr = False):
+                       ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0):
     """Program ``(n, m, s)``: output tile ``(BLOCK_M, BLOCK_N)`` over input columns ``[s*k_split, (s+1)*k_split)``;
     ``DIRECT``: ``acc + bias`` in the output dtype, else fp32 partial sums to ``out_ptr[s]`` (split-K).
     ``LUT`` 3/4: register tables on stored / nibble codes (:mod:`.gemv`); ``ROW_TABLES``: whole-row tables, loaded
-    once."""
+    once. ``PIPE`` (>= 2): the code words read plainly at each tile, issued ``PIPE - 1`` tiles ahead through shared
+    memory by triton's pipeliner (as :mod:`.gemv`'s); 0: the next tile's words requested by hand, in registers."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -128,11 +129,14 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
     REGS: tl.constexpr = SCHEME == 0 and LUT >= 3  # palettize register tables (LUT 5 on a blockwise layer: H2)
     if REGS and ROW_TABLES:
         planes = _regs_table(lut_ptr, (rows64 // GROUP).to(tl.int32)[:, None], BITS, ASM)
-    w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
-        n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS, ASM,
-                                 plane, PLANES)
+    if PIPE == 0:
+        w0, w1, w2 = _load_words(qw_ptr, row_word, k_lo, CPG, WPG, NW, BITS, ASM, plane, PLANES)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPE if PIPE else None):
+        if PIPE:  # plain loads, which the pipeliner issues PIPE - 1 tiles ahead (inline PTX cannot be pipelined)
+            w0, w1, w2 = _load_words(qw_ptr, row_word, k0, CPG, WPG, NW, BITS, False, plane, PLANES)
+        else:  # the next tile's words are requested before this tile is decoded (the last tile re-reads itself)
+            n0, n1, n2 = _load_words(qw_ptr, row_word, tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), CPG, WPG, NW, BITS,
+                                     ASM, plane, PLANES)
         cb = k0 // CBLOCK
         tab = lut_ptr + ((rows64 // GROUP) * n_cblocks + cb) * (1 << (2 * BITS if LUT == 2 else BITS))  # row tables
         if REGS and not ROW_TABLES:  # this tile's column block's tables
@@ -153,7 +157,8 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        w0, w1, w2 = n0, n1, n2
+        if PIPE == 0:
+            w0, w1, w2 = n0, n1, n2
     _store_tile(acc, out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2), DIRECT, HAS_BIAS)
 
 
@@ -173,5 +178,5 @@ def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[i
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, IEEE=ieee, ASM=cfg.asm and not interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
