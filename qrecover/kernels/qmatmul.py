@@ -302,12 +302,12 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         order = (gemv.LUT_REGS_NIBBLES_H2, gemv.LUT_REGS_NIBBLES, gemv.LUT_REGS_H2, gemv.LUT_REGS)
         reg = [dataclasses.replace(c, asm=True, lut=m) for c in first[:2] for m in order if m in regs]
         first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.4-4.6 per weight against 7.7-8.1)
-    # the second and third candidates with their code words through triton's pipeliner, second and third in turn
-    # (asynchronous copies PIPE_STAGES - 1 tiles ahead instead of one tile in registers: the H100 measured this kernel
-    # latency-bound; +0.1-0.5 thread instructions per weight, compile_check --isa --pipe 0,4; never timed on a GPU yet).
-    # Blockwise words are the only thing ASM changes there, and the pipeliner reads them plainly: one copy for both
+    # the first three candidates with their code words through triton's pipeliner, second to fourth (asynchronous
+    # copies PIPE_STAGES - 1 tiles ahead instead of one tile in registers: the H100 measured this kernel latency-bound;
+    # -0.6 to +0.5 thread instructions per weight and fewer registers, compile_check --isa --pipe 0,4; never timed on a
+    # GPU yet). Blockwise words are the only thing ASM changes there, and the pipeliner reads them plainly: one copy
     piped = [dataclasses.replace(c, pipe=PIPE_STAGES, asm=c.asm or (fmt.scheme == 1 and c.lut != gemv.BLOCKWISE_H2))
-             for c in first[1:3]]
+             for c in first[:3]]
     first = list(dict.fromkeys(first[:1] + piped + first[1:]))
     asm = fmt.scheme == 0 or fmt.bits == 3
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
