@@ -252,6 +252,35 @@ def test_multi_adapter_kernels_match_one_by_one(interp, dtype, tol):
     assert rel_err(y0 + lora_delta_reference(x, lora_a, lora_b, scaling, index), y0.double() + _one_by_one64(x, adapters, index)) < 1e-5
 
 
+def test_shrink_splits_fill_the_gpu():
+    """The shrink's programs (tokens x input splits) fill an H100's 132 SMs twice over where the layer has enough
+    columns (one split per 128 at the least, at most 64 splits): 32 programs at batch 1 and 512 at batch 16 on a
+    4096-input layer, where one split per 1,024 columns ran 4 and 64; the splits cover the inputs exactly."""
+    from qrecover.kernels.multi_adapter_kernels import MAX_SPLITS, shrink_splits
+
+    for m in (1, 2, 4, 16, 64, 300):
+        for k in (128, 4096, 14336):
+            block_k, k_split, n = shrink_splits(m, k)
+            assert k_split % block_k == 0 and (n - 1) * k_split < k <= n * k_split, (m, k)
+            assert m * n >= 2 * 132 or 2 * n > min(k // block_k, MAX_SPLITS), (m, k, n)  # (k_split rounds up)
+    assert shrink_splits(1, 4096)[2] == 32 and shrink_splits(16, 4096)[2] == 32 and shrink_splits(1, 14336)[2] == 56
+
+
+@needs_triton
+def test_multi_adapter_kernels_sum_many_splits(interp):
+    """One token over 2,048 inputs: the shrink writes 64 splits (the most), which the expand reads as one tile."""
+    from qrecover.kernels.multi_adapter_kernels import MAX_SPLITS, shrink
+
+    adapters = _adapters(2048, 24, (16, 8))
+    lora_a, lora_b, scaling = stack_adapters(adapters)
+    x, y0 = torch.randn(2, 2048), torch.randn(2, 24)
+    index = torch.tensor([1, 0])
+    ref = y0.double() + _one_by_one64(x, adapters, index)
+    assert shrink(x.to(DEV), lora_a.to(DEV), index.to(DEV)).shape[0] == MAX_SPLITS
+    out = add_lora(y0.to(DEV), x.to(DEV), lora_a.to(DEV), lora_b.to(DEV), scaling.to(DEV), index.to(DEV), use_kernels=True)
+    assert rel_err(out.cpu(), ref) < 1e-5  # (in place: on the CPU, out is y0)
+
+
 @needs_triton
 def test_multi_adapter_linear_on_a_quantized_base(interp):
     base = make_layer("palettize", 3, 48, 64)

@@ -264,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
          dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024)),
         *[(f"lora shrink r16 {w}", multi_adapter_kernels._shrink_kernel,
            {"x_ptr": "*fp16", "a_ptr": f"*{w}", "a_scale_ptr": "*fp32", "idx_ptr": "*i64", "t_ptr": "*fp32", **{k: "i32" for k in (
-               "M", "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(INT8=w == "i8", R_PAD=16, BLOCK_K=256))
+               "M", "K", "R", "k_split", "stride_xm", "stride_an", "stride_ar")}}, dict(INT8=w == "i8", R_PAD=16, BLOCK_K=128))
           for w in ("fp16", "i8")],
         *[(f"lora expand r16 {w}", multi_adapter_kernels._expand_kernel,
            {"t_ptr": "*fp32", "b_ptr": f"*{w}", "b_scale_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
             **{k: "i32" for k in ("M", "N", "R", "n_splits", "stride_bn", "stride_bo", "stride_ym")}},
-           dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128))
+           dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128, S_PAD=64))
           for w in ("fp16", "i8")],
         *[(f"r4 rotation {n} ({P} x {B}) {dt}", fwht._fwht_rows,
            {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},

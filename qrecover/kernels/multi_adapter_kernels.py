@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qmatmul import interpreting
+from .qmatmul import SMS, interpreting
 
 
 @triton.jit
@@ -46,9 +46,9 @@ def _shrink_kernel(x_ptr, a_ptr, a_scale_ptr, idx_ptr, t_ptr, M, K, R, k_split, 
 
 @triton.jit
 def _expand_kernel(t_ptr, b_ptr, b_scale_ptr, scale_ptr, idx_ptr, y_ptr, M, N, R, n_splits, stride_bn, stride_bo,
-                   stride_ym, INT8: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                   stride_ym, INT8: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr):
     """Program ``(m, j)``: ``y[m, js] += scaling[idx[m]] * B[idx[m]][js, :] @ sum_s t[s, m, :]`` for output block ``js``
-    (times the rows' scales for int8 ``B``)."""
+    (times the rows' scales for int8 ``B``); the ``n_splits <= S_PAD`` slots are read as one tile, not one after another."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     idx = tl.load(idx_ptr + m).to(tl.int64)
@@ -56,9 +56,9 @@ def _expand_kernel(t_ptr, b_ptr, b_scale_ptr, scale_ptr, idx_ptr, y_ptr, M, N, R
     rr = tl.arange(0, R_PAD)
     rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = (rr < R) & (rr * 0 + idx >= 0)
-    t = tl.zeros((R_PAD,), dtype=tl.float32)
-    for s in range(n_splits):
-        t += tl.load(t_ptr + (s * M + m).to(tl.int64) * R + rr, mask=t_mask, other=0.0)
+    ss = tl.arange(0, S_PAD)
+    t = tl.sum(tl.load(t_ptr + (ss[:, None] * M + m).to(tl.int64) * R + rr[None, :],
+                       mask=(ss < n_splits)[:, None] & t_mask[None, :], other=0.0), axis=0)
     n_mask = (rows < N) & (rows * 0 + idx >= 0)
     b = tl.load(b_ptr + a * stride_bn + rows[:, None] * stride_bo + rr[None, :],
                 mask=n_mask[:, None] & (rr < R)[None, :], other=0).to(tl.float32)
@@ -85,6 +85,20 @@ def _row_scales(weight: torch.Tensor, scale: torch.Tensor | None, shape: tuple[i
     return scale.contiguous()
 
 
+#: the most input splits of the shrink: the expand reads their slots as one (splits, rank) tile
+MAX_SPLITS = 64
+
+
+def shrink_splits(m: int, k: int, block_k: int = 128) -> tuple[int, int, int]:
+    """``(block_k, k_split, n_splits)`` of the shrink for ``m`` tokens and ``k`` inputs: split-K sized so that the
+    ``m x n_splits`` programs fill the GPU's SMs twice over (at most one split per ``block_k`` columns). A split per
+    1,024 columns, as before 2026-11-29, ran 4 programs at batch 1 and 64 at batch 16 on a 4096-input layer: on 132
+    SMs a latency-bound chain of dependent loads per program."""
+    split = max(1, min(k // block_k, triton.next_power_of_2(triton.cdiv(2 * SMS, m)), MAX_SPLITS))
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return block_k, k_split, triton.cdiv(k, k_split)
+
+
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor, a_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x (M, I)``, ``lora_a (n, r, I)`` (int8 with ``a_scale (n, r)``), ``index (M,)`` -> the fp32 partial sums
     ``(S, M, r)`` of the ``S`` input splits: ``t[m] = sum_s partial[s, m] = A[index[m]] x[m]`` (0 for -1)."""
@@ -95,10 +109,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor, a_scale: 
     n, r, _ = lora_a.shape
     x, lora_a, index = x.contiguous(), lora_a.contiguous(), index.contiguous()
     scales = _row_scales(lora_a, a_scale, (n, r), "lora_a")
-    block_k = 64 if interpreting() else 256
-    split = max(1, min(16, triton.cdiv(k, 4 * block_k)))  # enough programs to fill the GPU at batch 1
-    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    n_splits = triton.cdiv(k, k_split)
+    block_k, k_split, n_splits = shrink_splits(m, k, 32 if interpreting() else 128)
     t = torch.empty((n_splits, m, r), device=x.device, dtype=torch.float32)  # every slot is written
     _shrink_kernel[(m, n_splits)](x, lora_a, scales, index, t, m, k, r, k_split, x.stride(0), lora_a.stride(0),
                                   lora_a.stride(1), INT8=lora_a.dtype == torch.int8, R_PAD=_r_pad(r), BLOCK_K=block_k)
@@ -122,5 +133,6 @@ def expand(t: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, index: 
     block_n = 32 if interpreting() else 128
     _expand_kernel[(m, triton.cdiv(n, block_n))](t, lora_b, scales, scaling, index, y, m, n, r, t.shape[0],
                                                 lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                                                INT8=lora_b.dtype == torch.int8, R_PAD=_r_pad(r), BLOCK_N=block_n)
+                                                INT8=lora_b.dtype == torch.int8, R_PAD=_r_pad(r), BLOCK_N=block_n,
+                                                S_PAD=max(2, triton.next_power_of_2(t.shape[0])))
     return y
