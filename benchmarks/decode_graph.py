@@ -7,6 +7,11 @@ then each new token one forward of one token whose inputs live in fixed tensors 
 captured once as a CUDA graph and replayed. The first ``WARMUP`` steps run eagerly: the fused kernels' tuning and
 the measured dispatch (``qrecover.kernels.dispatch``) decide there, before the capture (nothing is timed inside one).
 
+``compile=True`` (gpt-fast's protocol) compiles the one-token step with ``torch.compile`` first (default mode, no
+CUDA graphs of inductor's own: this loop captures one), so that the norms, rotary embeddings and residual adds between
+the matmuls become a few fused kernels instead of dozens of small ones per layer; qrecover's packed layers stay
+opaque calls (``qrecover.kernels._dispatched``: one graph break each). The warm-up steps compile it.
+
 If the capture fails (a host read inside the model's forward, say), the row says why and the steady state is timed
 eagerly with the same static cache. On a CPU the loop runs eagerly (``graph=False``), which is what
 ``tests/test_decode_graph.py`` checks against ``generate``'s greedy tokens.
@@ -22,10 +27,10 @@ import torch
 WARMUP = 3
 
 
-def greedy_static(model, ids: torch.Tensor, new_tokens: int, graph: bool = True) -> dict:
+def greedy_static(model, ids: torch.Tensor, new_tokens: int, graph: bool = True, compile: bool = False) -> dict:
     """``new_tokens`` greedy tokens after ``ids (1, L)``; returns ``{"tokens", "tok_per_s", "warmup_s", "graph",
     "graph_error"}``: tokens/s over the steps after the warm-up (the CUDA-graph replays when ``graph`` and the
-    capture worked), the warm-up's seconds apart."""
+    capture worked), the warm-up's seconds apart. ``compile``: the one-token step through ``torch.compile``."""
     from transformers import StaticCache
 
     device = ids.device
@@ -40,7 +45,8 @@ def greedy_static(model, ids: torch.Tensor, new_tokens: int, graph: bool = True)
         out = model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
-    result = {"graph": False, "graph_error": None}
+    one = torch.compile(forward, dynamic=False) if compile else forward  # the prompt runs uncompiled (another shape)
+    result = {"graph": False, "graph_error": None, "compiled": compile}
     with torch.no_grad():
         t0 = time.perf_counter()
         nxt = forward(ids, torch.arange(ids.shape[1], device=device))
@@ -48,16 +54,16 @@ def greedy_static(model, ids: torch.Tensor, new_tokens: int, graph: bool = True)
         static_ids, static_pos = nxt.clone(), torch.tensor([ids.shape[1]], device=device)
         warm = min(WARMUP, new_tokens - 1)
         for _ in range(warm):
-            nxt = forward(static_ids, static_pos)
+            nxt = one(static_ids, static_pos)
             tokens.append(nxt)
             static_ids.copy_(nxt)
             static_pos += 1
-        step = lambda: forward(static_ids, static_pos)  # noqa: E731
+        step = lambda: one(static_ids, static_pos)  # noqa: E731
         if graph and cuda and len(tokens) < new_tokens:
             try:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    static_out = forward(static_ids, static_pos)
+                    static_out = one(static_ids, static_pos)
                 step = lambda: (g.replay(), static_out)[1]  # noqa: E731
                 result["graph"] = True
             except Exception as e:  # noqa: BLE001 - reported in the row, and the steady state is timed eagerly

@@ -170,6 +170,25 @@ def linear(layer, x: torch.Tensor) -> torch.Tensor:
         # recompile per grad mode and autocast state: --compile-layers on an H100 hit its recompile limit)
         if mode() != "1":
             return reference.linear(layer, x)
+    return _opaque()(layer, x, batch)
+
+
+_OPAQUE: list = []
+
+
+def _opaque():
+    """:func:`_dispatched` behind ``torch.compiler.disable``, made at first use: the decorator imports dynamo, which
+    imports triton, and importing this package must not (``TRITON_INTERPRET`` is read when triton's kernels are
+    defined, and a process may set it after importing qrecover)."""
+    if not _OPAQUE:
+        _OPAQUE.append(torch.compiler.disable(_dispatched))
+    return _OPAQUE[0]
+
+
+def _dispatched(layer, x: torch.Tensor, batch: int) -> torch.Tensor:
+    """:func:`linear`'s choice and call, opaque to ``torch.compile`` (:func:`_opaque`: one graph break per packed
+    layer), so that a compiled decode step fuses the elementwise work between the packed layers and calls the chosen
+    path as it is: dynamo need not trace the dispatch's tables, timing and logging, nor triton launches."""
     choice = select(layer, x.device, batch, x.dtype, training=is_training(layer, x),
                     needs_grad=torch.is_grad_enabled() and x.requires_grad)
     if choice.pending:
