@@ -113,29 +113,33 @@ def test_the_tuner_may_pick_another_table_layout(interp):
     configs = candidate_configs(fmt, 1)
     # 4-bit: fp32 singles lead (20-35% faster than pairs on every tile of an H100 sweep), then the register tables
     # (never timed yet; fewer instructions per weight since the fp16 chains span four tiles) of the two first tiles;
-    # pairs among the first twelve; the first three candidates come first with their code words pipelined too
-    assert configs[0].lut == gemv.LUT_FP32 and configs[0].asm
-    assert configs[1:4] == [dataclasses.replace(c, pipe=PIPE_STAGES) for c in configs[:1] + configs[4:6]]
-    assert [c.lut for c in configs[4:8]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
-    assert [(c.block_n, c.block_k) for c in configs[4:8:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
+    # pairs among the first thirteen; the first candidate's serial split-K twin second, then the first three
+    # candidates with their code words pipelined
+    assert configs[0].lut == gemv.LUT_FP32 and configs[0].asm and configs[0].split_k > 1
+    assert configs[1] == dataclasses.replace(configs[0], serial=True)
+    assert configs[2:5] == [dataclasses.replace(c, pipe=PIPE_STAGES) for c in configs[:1] + configs[5:7]]
+    assert [c.lut for c in configs[5:9]] == [gemv.LUT_REGS_H2, gemv.LUT_REGS] * 2
+    assert [(c.block_n, c.block_k) for c in configs[5:9:2]] == [(64, 256), (64, 128)]  # 128x256 spills at 4-bit
     assert max(c.block_m * c.block_n * c.block_k for c in configs) <= 16384
-    assert [c.lut for c in configs[8:10]] == [gemv.LUT_FP32] * 2
-    assert gemv.LUT_PAIRS in {c.lut for c in configs[:12]}
+    assert [c.lut for c in configs[9:11]] == [gemv.LUT_FP32] * 2
+    assert gemv.LUT_PAIRS in {c.lut for c in configs[:13]} and sum(c.serial for c in configs) == 1
 
 
 def test_blockwise_decode_candidates_pair_each_tile_with_its_inline_ptx_variant():
     """Blockwise 4-bit at batch 1: each tile's inline-PTX variant (code words read through PTX, no layout conversion
     per tile) is timed just before the plain variant the H100 measured, with the fp16 pair mode of the two first tiles
-    fifth and sixth, after the first three with their code words pipelined (``Config.pipe``), so ``--quick`` times every
-    kind."""
+    sixth and seventh, after the first candidate's serial split-K twin (``Config.serial``) and the first three with
+    their code words pipelined (``Config.pipe``)."""
     from qrecover.kernels.qmatmul import PIPE_STAGES, candidate_configs
 
     fmt = layer_format(make_layer("blockwise", 4, 64, 4096, block_size=64))
     configs = candidate_configs(fmt, 1)
-    assert [(c.asm, c.lut, c.pipe) for c in configs[:9]] == [
-        (True, -1, 0), (True, -1, PIPE_STAGES), (True, gemv.BLOCKWISE_H2, PIPE_STAGES), (True, gemv.BLOCKWISE_H2, PIPE_STAGES),
-        (True, gemv.BLOCKWISE_H2, 0), (True, gemv.BLOCKWISE_H2, 0), (False, -1, 0), (True, -1, 0), (False, -1, 0)]
-    assert [(c.block_n, c.block_k) for c in configs[:7]] == [(128, 64)] * 3 + [(64, 64), (128, 64), (64, 64), (128, 64)]
+    assert [(c.asm, c.lut, c.pipe, c.serial) for c in configs[:10]] == [
+        (True, -1, 0, False), (True, -1, 0, True), (True, -1, PIPE_STAGES, False),
+        (True, gemv.BLOCKWISE_H2, PIPE_STAGES, False), (True, gemv.BLOCKWISE_H2, PIPE_STAGES, False),
+        (True, gemv.BLOCKWISE_H2, 0, False), (True, gemv.BLOCKWISE_H2, 0, False), (False, -1, 0, False),
+        (True, -1, 0, False), (False, -1, 0, False)]
+    assert [(c.block_n, c.block_k) for c in configs[:8]] == [(128, 64)] * 4 + [(64, 64), (128, 64), (64, 64), (128, 64)]
     fmt3 = layer_format(make_layer("blockwise", 3, 64, 4096, block_size=64))
     assert gemv.BLOCKWISE_H2 not in {c.lut for c in candidate_configs(fmt3, 1)}  # 4-bit codes only
 
@@ -239,6 +243,53 @@ def test_pipelined_word_loads_give_the_hand_prefetchs_results(interp, scheme, bi
             assert rel_err(y, ref64(layer, x)) < (2e-3 if h2 else 1e-5), (scheme, bits, lut, batch, split)
 
 
+@pytest.mark.parametrize("scheme,bits,block,lut", [("palettize", 3, None, gemv.LUT_PAIRS), ("palettize", 4, 64, gemv.LUT_FP16),
+                                                   ("palettize", 3, None, gemv.LUT_REGS_NIBBLES_H2),
+                                                   ("blockwise", 4, 64, gemv.BLOCKWISE_H2)])
+def test_serial_split_k_needs_no_reduction_launch(interp, monkeypatch, scheme, bits, block, lut):
+    """``Config.serial``: the last program of each output tile sums the splits, adds the bias and writes the output
+    (split-K 2, 3 and 5, batch 1 and 3, pipelined or not): float64-close, the same bits on a second call, no
+    reduction kernel launched (its workspace filled with NaN first: no slot read before written), and every tile
+    counter back at zero for the next launch."""
+    layer = make_layer(scheme, bits, 48, 320, block_size=block)
+    h2 = lut in gemv.H2_MODES or (scheme == "blockwise" and lut == gemv.BLOCKWISE_H2)
+    empty = torch.empty  # a workspace slot read before it is written shows as NaN
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    reduce_calls = []
+    real_reduce = interp._splitk_reduce
+    monkeypatch.setattr(interp, "_splitk_reduce", type("R", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **k: reduce_calls.append(grid) or real_reduce[grid](*a, **k))})())
+    for batch, split, pipe in ((1, 2, 0), (3, 3, 4), (1, 5, 0)):
+        x = torch.randn(batch, 320, device=DEV).to(torch.float16 if h2 else torch.float32)
+        cfg = Config(4 if batch > 2 else batch, 16, 64, split, False, asm=True, lut=lut, pipe=pipe, serial=True)
+        y = kernels.fused_linear(layer, x, config=cfg)
+        assert not reduce_calls and torch.equal(kernels.fused_linear(layer, x, config=cfg), y)
+        assert rel_err(y, ref64(layer, x)) < (2e-3 if h2 else 1e-5), (scheme, bits, lut, batch, split)
+        assert not interp.split_counters(x.device, 1).any()
+    kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, serial=False))
+    assert reduce_calls  # (the two-launch split-K, for comparison)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="races between programs show on a GPU only")
+def test_serial_split_k_is_race_free_on_the_gpu():
+    """On a GPU, 300 launches of the serial split-K (16 programs per output tile racing for the last ticket, 8
+    tiles): every output bit-identical to the first and float64-close, the counters back at zero."""
+    from qrecover.kernels import qmatmul
+
+    layer = make_layer("palettize", 3, 512, 4096).cuda()
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
+    cfg = Config(1, 64, 256, 16, False, asm=True, serial=True)
+    first = kernels.fused_linear(layer, x, config=cfg)
+    outs = torch.stack([kernels.fused_linear(layer, x, config=cfg) for _ in range(300)])
+    assert torch.equal(outs, first.expand_as(outs)) and rel_err(first, ref64(layer, x)) < 2e-3
+    assert not qmatmul.split_counters(x.device, 1).any()
+
+
 @pytest.mark.parametrize("block,symmetric", [(64, True), (32, False), (None, False)])
 def test_blockwise_fp16_pair_mode_in_the_decode_kernel(interp, block, symmetric):
     """Blockwise 4-bit codes as fp16 pairs by their bits (``gemv.BLOCKWISE_H2``: ``c - z`` exact, fp16 pair FMAs in
@@ -292,9 +343,10 @@ def test_nibble_codes_are_kept_only_where_the_tuner_chose_them(interp, monkeypat
     tuned launch then reads them."""
     layer = make_layer("palettize", 3, 64, 4096)
     fmt = layer_format(layer)
-    first = interp.candidate_configs(fmt, 1)[:8]
+    first = interp.candidate_configs(fmt, 1)[:9]
     assert first[0].lut == -1 and first[0].asm  # the pair-table kernel stays first (the interpreter runs it)
-    assert [(c.lut, c.asm, c.pipe) for c in first[1:8]] == [
+    assert first[1] == dataclasses.replace(first[0], serial=True)  # its serial split-K twin second
+    assert [(c.lut, c.asm, c.pipe) for c in first[2:9]] == [
         (m, True, p) for m, p in ((-1, interp.PIPE_STAGES), (gemv.LUT_REGS_NIBBLES_H2, interp.PIPE_STAGES),
                                   (gemv.LUT_REGS_NIBBLES, interp.PIPE_STAGES),
                                   (gemv.LUT_REGS_NIBBLES_H2, 0), (gemv.LUT_REGS_NIBBLES, 0), (gemv.LUT_REGS_H2, 0),
@@ -512,3 +564,34 @@ def test_pipelined_words_compile_to_asynchronous_copies():
     assert hand[0] > 0 and hand[2] == 0, hand
     assert piped[0] == 0 and piped[2] > 0 and piped[3] > 3 * 64 * 256 * 3 // 8 and piped[4] == 0, piped
     assert piped[1] < hand[1] + 0.6, got
+
+
+_SERIAL_PTX = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv
+cc.ALIGNED = True
+out = {}
+for label, sig, const, opts in cc.gemv_variants("default", [(1, 64, 256, 4)]):
+    if const["BITS"] == 3 and const["SCHEME"] == 0 and const["ASM"] and const["LUT"] == gemv.LUT_PAIRS:
+        for serial in (False, True):
+            k = cc._compile(gemv._gemv_kernel, sig, dict(const, SERIAL=serial, S_PAD=16), GPUTarget("cuda", 90, 32), **opts)
+            ptx = k.asm["ptx"]
+            row = cc.isa_row(k, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
+            out[int(serial)] = [sorted(set(re.findall(r"atom\\.[\\w.]+", ptx))), ptx.count("bar.sync"),
+                                ptx.count("ld.global.cg"), row["total"], cc.resources(k).get("STACK", 0)]
+print(json.dumps(out))
+"""
+
+
+def test_serial_split_k_compiles_to_a_release_acquire_ticket():
+    """Compiled for sm_90 (no GPU needed): the serial split-K's ticket is an ``acq_rel`` atomic at GPU scope after a
+    CTA barrier, the partials are read from L2 (``ld.global.cg``) and the counter reset is atomic too; the main loop
+    is the same length as without it (the reduction is an epilogue), and at most an 8-byte stack frame (triton 3.9
+    here; 3.6, the GPU machine's, none)."""
+    got = {int(k): v for k, v in _compiled(_SERIAL_PTX).items()}
+    plain, serial = got[0], got[1]
+    assert plain[0] == [] and plain[2] == 0, plain
+    assert "atom.global.gpu.acq_rel.add.u32" in serial[0] and any("exch" in a for a in serial[0]), serial
+    assert serial[1] > plain[1] and serial[2] > 0 and serial[4] <= 8, serial
+    assert abs(serial[3] - plain[3]) < 0.1, got

@@ -156,12 +156,13 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
                 xp = {"fp16": gemv.X_FP16_PAIRS, "bf16": gemv.X_BF16_PAIRS}.get(dt, gemv.X_PLAIN)
                 lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": "*i32" if xp else f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16",
-                       "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
+                       "zp_ptr": "*u8", "bias_ptr": f"*{dt}", "out_ptr": "*fp32", "final_ptr": f"*{dt}", "cnt_ptr": "*i32",
                        **{k: "i32" for k in ("M", "N", "K", "row_words", "n_cblocks", "zp_nbytes", "k_split",
                                               "stride_xm", "stride_om", "stride_os")}}
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, XP=xp, ASM=asm, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS, PIPE=pipe)  # register tables: loaded once
+                             ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS, PIPE=pipe,  # register tables: loaded once
+                             SERIAL=False, S_PAD=1)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles", " reg-lut h2",
                             " reg-lut nibbles h2")[lut] if scheme == 0 else (" h2" if lut == gemv.BLOCKWISE_H2 else "")

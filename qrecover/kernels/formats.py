@@ -32,7 +32,8 @@ class Config:
     (:mod:`qrecover.kernels.gemv`'s ``LUT_*``: fp16/fp32/pair tables read from memory, or register tables 3-6; -1 =
     its default for the shape). ``pipe``: the decode kernel (batch 1-4) reads the code words through triton's
     software pipeliner, ``pipe - 1`` tiles ahead through shared memory (asynchronous copies, ``cp.async``), instead of
-    one tile ahead in registers (0)."""
+    one tile ahead in registers (0). ``serial``: with split-K, the decode kernel's last program of each output tile
+    sums the splits itself (one launch, no reduction kernel after it)."""
 
     block_m: int
     block_n: int
@@ -44,3 +45,4 @@ class Config:
     asm: bool = False
     lut: int = -1
     pipe: int = 0
+    serial: bool = False

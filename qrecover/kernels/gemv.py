@@ -379,17 +379,45 @@ def _store_tile(y, out_ptr, bias_ptr, ms, rows, bias_rows, M, N, stride_om, stri
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M, N, K, row_words, n_cblocks, zp_nbytes,
+def _last_split_reduces(ws_ptr, final_ptr, bias_ptr, cnt_ptr, ms, rows, bias_rows, M, N, stride_om, stride_os,
+                        HAS_BIAS: tl.constexpr, S_PAD: tl.constexpr):
+    """Split-K without a second launch (``Config.serial``), after the program stored its partial sums: it takes a
+    ticket for its output tile, and the last of the tile's programs sums every split's partials (as one
+    ``(S_PAD, BM, BN)`` tile, in a fixed order: the same bits whichever program comes last), adds the bias, writes the
+    output and resets the tile's counter for the next launch. ``bar.sync`` before the ticket orders every thread's
+    stores before it; the ticket is an ``acq_rel`` atomic at GPU scope; the partials are read from L2 (``.cg``)."""
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(2) - 1:
+        ss = tl.arange(0, S_PAD)
+        mask = (ms < M)[:, None] & (rows < N)[None, :]
+        offs = ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
+        parts = tl.load(ws_ptr + ss.to(tl.int64)[:, None, None] * stride_os + offs[None, :, :],
+                        mask=(ss < tl.num_programs(2))[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg")
+        y = tl.sum(parts, axis=0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + bias_rows).to(tl.float32)[None, :]
+        tl.store(final_ptr + offs, y.to(final_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, final_ptr, cnt_ptr, M, N, K, row_words,
+                 n_cblocks, zp_nbytes,
                  k_split, stride_xm, stride_om, stride_os, SCHEME: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                  CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, DIRECT: tl.constexpr,
                  XP: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0):
+                 ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0, SERIAL: tl.constexpr = False,
+                 S_PAD: tl.constexpr = 1):
     """Program ``(n, m, s)``: rows ``n*BLOCK_N..``, inputs ``m*BLOCK_M..``, columns ``[s*k_split, (s+1)*k_split)``.
     ``stride_xm``: in elements of ``x_ptr`` (halved by the caller for the 32-bit pair view, ``XP > 0``).
     ``ROW_TABLES``: one palettize table per row group for the whole row (``CBLOCK == K``): register tables are
     loaded once, before the K loop. ``PIPE`` (>= 2): the code words are read plainly at each tile and triton's
     pipeliner keeps ``PIPE - 1`` tiles of them in flight through shared memory (asynchronous copies); 0: the next tile's
-    words are requested by hand, in registers, before this tile is decoded."""
+    words are requested by hand, in registers, before this tile is decoded. ``SERIAL`` (split-K only): the last
+    program of each output tile sums the splits into ``final_ptr`` (:func:`_last_split_reduces`; ``cnt_ptr``: one
+    zeroed int32 counter per output tile), so no reduction kernel follows."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -484,6 +512,9 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, M
             w0, w1, w2 = n0, n1, n2
     _store_tile(tl.sum(acc, axis=2), out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2),
                 DIRECT, HAS_BIAS)
+    if SERIAL:
+        _last_split_reduces(out_ptr, final_ptr, bias_ptr, cnt_ptr, ms, rows, rows64, M, N, stride_om, stride_os, HAS_BIAS,
+                            S_PAD)
 
 
 def lut_mode(fmt: Format) -> int:
@@ -611,9 +642,12 @@ def x_pairs(x: torch.Tensor) -> int:
 
 
 def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
-           bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg) -> None:
+           bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg,
+           out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
     """Run :func:`_gemv_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
-    ``lut``: :func:`kernel_tables` for palettize, in ``cfg.lut``'s layout (-1: :func:`lut_mode`'s)."""
+    ``lut``: :func:`kernel_tables` for palettize, in ``cfg.lut``'s layout (-1: :func:`lut_mode`'s). ``out`` and
+    ``counters`` (``cfg.serial`` with split-K): the output the last program of each tile writes, and one zeroed int32
+    counter per output tile (reset by the kernel)."""
     m, k = x.shape
     n = fmt.out_f
     if fmt.scheme == 0:
@@ -633,11 +667,13 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
                          f"got {x.dtype} with row stride {x.stride(0)}; use LUT_REGS or LUT_REGS_NIBBLES")
     xv = x.view(torch.int32) if xp else x
     _gemv_kernel[grid](
-        xv, qw, lut, scale, zp, qw if bias is None else bias, target, m, n, k, row_words(fmt, qw, mode), k // fmt.cblock,
+        xv, qw, lut, scale, zp, qw if bias is None else bias, target, target if out is None else out,
+        qw if counters is None else counters, m, n, k, row_words(fmt, qw, mode), k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, XP=xp, ASM=cfg.asm and not interpreting(),
         ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k, PIPE=cfg.pipe,
+        SERIAL=counters is not None and grid[2] > 1, S_PAD=triton.next_power_of_2(grid[2]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

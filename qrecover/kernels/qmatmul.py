@@ -308,7 +308,10 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
     # GPU yet). Blockwise words are the only thing ASM changes there, and the pipeliner reads them plainly: one copy
     piped = [dataclasses.replace(c, pipe=PIPE_STAGES, asm=c.asm or (fmt.scheme == 1 and c.lut != gemv.BLOCKWISE_H2))
              for c in first[:3]]
-    first = list(dict.fromkeys(first[:1] + piped + first[1:]))
+    # the first candidate's twin whose last program per output tile sums the splits (Config.serial: no reduction
+    # launch after it, one launch per layer instead of two; never run on a GPU yet), second
+    serial = [dataclasses.replace(first[0], serial=True)] if first and first[0].split_k > 1 else []
+    first = list(dict.fromkeys(first[:1] + serial + piped + first[1:]))
     asm = fmt.scheme == 0 or fmt.bits == 3
     rest = [Config(bm, bn, bk, s, False, asm=asm, lut=lut) for bn, bk in shapes for s in (1, 2, 4, 8, 16) if s != fill(bn, bk)]
     out = [c for c in first + rest if fmt.in_f >= c.block_k * c.split_k or c.split_k == 1]
@@ -343,6 +346,23 @@ def _bucket(m: int) -> int:
 # ------------------------------------------------------------------------------------------- launch
 
 
+#: per device, the zeroed int32 tile counters of the serial split-K (``Config.serial``); each launch leaves them zero
+_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # replaced counters stay allocated: a captured CUDA graph may still point at them
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed int32 counters on ``device`` for :func:`gemv._last_split_reduces`, made once (a larger
+    set replaces them when a launch needs more; launches on one stream share them, one after another)."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < tiles:
+        if c is not None:
+            _RETIRED.append(c)
+        c = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return c
+
+
 def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
             cfg: Config) -> torch.Tensor:
     m, k = x.shape
@@ -367,7 +387,10 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
             nib = tensors.get("qdata_nibbles")
             qw = gemv.nibble_codes(fmt, qw) if nib is None else nib
         if not cfg.use_dot:
-            gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg)
+            counters = split_counters(x.device, grid[0] * grid[1]) if cfg.serial and not direct else None
+            gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, out, counters)
+            if counters is not None:  # the kernel's last program per tile wrote the output
+                return out
         else:
             mode = (gemv.lut_mode(fmt) if cfg.lut < 0 else cfg.lut) if fmt.scheme == 0 else gemv.LUT_FP16
             if fmt.scheme == 1 and cfg.lut == gemv.BLOCKWISE_H2:
