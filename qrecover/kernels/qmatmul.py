@@ -357,6 +357,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     key = str(device)
     c = _COUNTERS.get(key)
     if c is None or c.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a zero fill captured, not run
+            raise RuntimeError(f"qrecover: the serial split-K needs {tiles} tile counters on {device}, made outside a "
+                               "CUDA graph capture: run one forward of this batch size before capturing")
         if c is not None:
             _RETIRED.append(c)
         c = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
@@ -459,6 +462,8 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
         ref = None if reference is None else reference(x)
         check = None if ref is None else (lambda cfg: _agrees(_launch(x, fmt, tensors, bias, cfg), ref))
+        if any(c.serial for c in configs):  # its counters made before the timing's graph capture
+            split_counters(x.device, triton.cdiv(fmt.out_f, 16) * x.shape[0])
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
         best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None), check)
         del sets
