@@ -182,6 +182,9 @@ def bench_layers(device: str, shapes: list, timed: bool, copy_bw: float | None, 
                 tuned = [c for k, c in qmatmul._TUNED.items() if k[0] == fmt_key and k[1] == bucket]
                 if tuned:  # the launch configuration the tuner kept for this case
                     row["config"] = str(tuned[-1])
+                measured = [t for k, t in qmatmul.TIMINGS.items() if k[0] == fmt_key and k[1] == bucket]
+                if measured:  # every candidate the tuner ran, in its order: ms (L2-cold) or why it was skipped
+                    row["candidates"] = [[config_label(c), t] for c, t in measured[-1].items()]
                 if timed:
                     with torch.no_grad():
                         row.update(_cold_row(layer, x, w16, l2))
@@ -483,6 +486,27 @@ def _fmt(v, spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def config_label(c) -> str:
+    """A launch configuration in a few characters: tile, split-K, kernel, table layout and the variants' flags."""
+    kind = "dot" if type(c).__name__ == "DotDecode" else ("gemv" if not c.use_dot else "tiled")
+    return (f"{kind} {c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} lut{c.lut}{' asm' if c.asm else ''}"
+            f"{f' pipe{c.pipe}' if c.pipe else ''}{' serial' if c.serial else ''}")
+
+
+def _candidate_lines(result: dict) -> list[str]:
+    """Per timed case, the tuner's candidates in its order (ms L2-cold, or why skipped), the fastest marked."""
+    lines = []
+    for r in result["layers"]:
+        if not r.get("candidates"):
+            continue
+        times = [t for _, t in r["candidates"] if isinstance(t, float)]
+        best = min(times) if times else None
+        cells = [f"{label} {t * 1e3:.1f} us{' (best)' if t == best else ''}" if isinstance(t, float) else f"{label}: {t}"
+                 for label, t in r["candidates"]]
+        lines.append(f"- {r['shape']} {r['format']} batch {r['batch']}: " + "; ".join(cells))
+    return ["", "tuner candidates (L2-cold, in the tuner's order):"] + lines if lines else []
+
+
 def _layer_table(result: dict, timed: bool) -> list[str]:
     lines = []
     if timed and "copy_GBps" in result:
@@ -509,7 +533,7 @@ def _layer_table(result: dict, timed: bool) -> list[str]:
             line += f" {r['ms_fused']:.4f} | {r['ms_fp16']:.4f} | {r['ms_dequant_matmul']:.4f} | {r['bw_frac_fused']:.0%} |"
         lines.append(line)
     notes = sorted({f"{k[:-5]}: {v}" for r in result["layers"] for k, v in r.items() if k.endswith("_note")})
-    return lines + [f"- {n}" for n in notes]
+    return lines + [f"- {n}" for n in notes] + _candidate_lines(result)
 
 
 def main() -> None:

@@ -94,8 +94,19 @@ def test_tuner_skips_a_config_whose_result_differs_from_the_reference():
         timed.append(cfg)
         return times[cfg]
 
+    record = {}
     with pytest.warns(UserWarning, match="differs from the reference path") as seen:
-        assert qmatmul._fastest(configs, time_one, lambda c: qmatmul._agrees(outputs[c], ref)) == configs[3]
+        assert qmatmul._fastest(configs, time_one, lambda c: qmatmul._agrees(outputs[c], ref), record) == configs[3]
+    assert record == {configs[0]: 3.0, configs[1]: "differs from the reference", configs[2]: "differs from the reference",
+                      configs[3]: 2.0}
+    # benchmarks/kernels.py prints what the tuner measured of every candidate, the fastest marked
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.kernels import _candidate_lines, config_label
+    row = {"shape": "4096x4096", "format": "palettize-3", "batch": 1,
+           "candidates": [[config_label(c), t * 1e-3 if isinstance(t, float) else t] for c, t in record.items()]}
+    text = "\n".join(_candidate_lines({"layers": [row]}))
+    assert "2.0 us (best)" in text and "3.0 us;" in text and text.count("differs from the reference") == 2
+    assert config_label(configs[0]).startswith("gemv 1x") and " asm" in config_label(configs[0])
     assert [str(configs[1]) in str(w.message) for w in seen] == [True, False]
     assert str(configs[2]) in str(seen[1].message) and timed == [configs[0], configs[3]]
     assert not qmatmul._agrees(ref * (1 + 2 * qmatmul.CHECK_TOL), ref)

@@ -322,6 +322,8 @@ _TUNED: dict[tuple, Config] = {}
 
 #: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
 TUNE_LIMIT: int | None = None
+#: per tuned case, what the tuner measured of each candidate: ms, or why it was skipped (benchmarks/kernels.py prints it)
+TIMINGS: dict[tuple, dict[Config, float | str]] = {}
 #: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
 SMS = 132
 
@@ -465,28 +467,34 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
         if any(c.serial for c in configs):  # its counters made before the timing's graph capture
             split_counters(x.device, triton.cdiv(fmt.out_f, 16) * x.shape[0])
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
-        best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None), check)
+        best = _fastest(configs, lambda cfg: _time(x, fmt, sets or [tensors], bias, cfg, cold=sets is not None), check,
+                        TIMINGS.setdefault(key, {}))
         del sets
     _TUNED[key] = best
     return best
 
 
-def _fastest(configs: list[Config], time_one, check=None) -> Config:
+def _fastest(configs: list[Config], time_one, check=None, record: dict | None = None) -> Config:
     """The config ``time_one(cfg)`` measures fastest. One that does not compile for this GPU is skipped: out of
     registers or shared memory silently, any other compile error (e.g. inline PTX the assembler rejects) with a
     warning naming the config, so that a kernel variant never timed on this GPU cannot stop a layer from running.
-    ``check(cfg)``: False skips the config with a warning (its result differs from the reference path's)."""
+    ``check(cfg)``: False skips the config with a warning (its result differs from the reference path's).
+    ``record``: filled with each config's time, or why it was skipped."""
     timings = {}
+    record = {} if record is None else record
     for cfg in configs:
         try:
             if check is not None and not check(cfg):
                 warnings.warn(f"qrecover: kernel config {cfg} gave a result that differs from the reference path's "
                               f"(relative error above {CHECK_TOL}) on this GPU and was skipped", stacklevel=2)
+                record[cfg] = "differs from the reference"
                 continue
-            timings[cfg] = time_one(cfg)
+            timings[cfg] = record[cfg] = time_one(cfg)
         except OutOfResources:
+            record[cfg] = "out of resources"
             continue
         except TritonError as e:
+            record[cfg] = f"did not compile: {type(e).__name__}"
             warnings.warn(f"qrecover: kernel config {cfg} did not compile on this GPU and was skipped "
                           f"({type(e).__name__}: {str(e)[:300]})", stacklevel=2)
     if not timings:
