@@ -112,6 +112,10 @@ def test_tuner_skips_a_config_whose_result_differs_from_the_reference():
     assert not qmatmul._agrees(ref * (1 + 2 * qmatmul.CHECK_TOL), ref)
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="agreed with the reference.*QRECOVER_KERNELS=0"):
         qmatmul._fastest(configs[1:3], time_one, lambda c: qmatmul._agrees(outputs[c], ref))
+    # the tuner's check: against a finite reference only (an input with NaN or inf leaves nothing to judge by, and the
+    # layer must still run), and none without a reference
+    assert qmatmul._checker(ref, outputs.get)(configs[3]) and not qmatmul._checker(ref, outputs.get)(configs[1])
+    assert qmatmul._checker(outputs[configs[2]], outputs.get) is None and qmatmul._checker(None, outputs.get) is None
 
 
 def test_fused_linear_gives_the_tuner_its_layers_reference_path(interp, monkeypatch):

@@ -441,6 +441,15 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(err)) and float(err) <= CHECK_TOL
 
 
+def _checker(ref: torch.Tensor | None, run):
+    """The tuner's check of a candidate (``run(cfg)``: its output) against the reference output ``ref``; None (no
+    check) without a reference or where it is not finite (inputs with inf or NaN: nothing to judge by, and the layer
+    must still run)."""
+    if ref is None or not bool(torch.isfinite(ref).all()):
+        return None
+    return lambda cfg: _agrees(run(cfg), ref)
+
+
 def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
           reference=None) -> Config:
     """The fastest candidate for ``x``'s shape bucket and dtype (cached). On a GPU each candidate is first run once and
@@ -462,8 +471,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     else:
         if any(c.lut in gemv.NIBBLE_MODES for c in configs) and "qdata_nibbles" not in tensors:
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
-        ref = None if reference is None else reference(x)
-        check = None if ref is None else (lambda cfg: _agrees(_launch(x, fmt, tensors, bias, cfg), ref))
+        check = _checker(None if reference is None else reference(x), lambda cfg: _launch(x, fmt, tensors, bias, cfg))
         if any(c.serial for c in configs):  # its counters made before the timing's graph capture
             split_counters(x.device, triton.cdiv(fmt.out_f, 16) * x.shape[0])
         sets = tensor_copies(tensors, l2_bytes(x.device))  # None: no room for copies, time warm
