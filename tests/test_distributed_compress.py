@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -367,6 +368,33 @@ def test_commands_that_run_a_model_restart_themselves_under_tcmalloc(tmp_path, m
     subprocess.run([sys.executable, "-m", "qrecover.cli", "ppl", str(missing)], env=env, capture_output=True, timeout=300,
                    cwd=ROOT)
     assert [m for _, _, m in _starts(log)] == ["False"]
+
+
+KILL_RANK_1 = """
+import os, signal
+if os.environ.get("RANK") == "1" and os.environ.get("QRECOVER_TEST_KILL"):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_procs_failures_are_reported_once(tiny_model_dir, tmp_path):
+    """``--procs 2``: a bad value that every process refuses ends with its one-line error, exit 2, and none of the
+    launcher's own log lines; a process killed by a signal, which prints nothing itself, is named with the signal,
+    and the exit code is the shell's 128 + signal; no checkpoint either way."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_RANK_1)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = tmp_path / "ckpt"
+    args = [sys.executable, "-m", "qrecover.cli", "compress", *_cli_args(tiny_model_dir, out, MENUS["gptq"]), "--procs", "2"]
+    proc = subprocess.run([*args, "--bpw", "0.5"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.count("error: --bpw 0.5") == 1, proc.stderr[-3000:]
+    assert "exitcode" not in proc.stderr and "local_rank" not in proc.stderr, proc.stderr[-3000:]
+    proc = subprocess.run(args, env={**env, "QRECOVER_TEST_KILL": "1"}, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert "error: compress process 1 of 2 ended with signal SIGKILL; no checkpoint was written" in proc.stderr
+    assert "exitcode" not in proc.stderr and not out.exists()
 
 
 def test_procs_bad_value_and_auto_rule(tiny_model_dir, tmp_path):

@@ -185,9 +185,12 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in list(logging.root.manager.loggerDict):  # the launcher's notes on shutting down after Ctrl-C
-        if name.startswith("torch.distributed.elastic"):  # (each of its modules' loggers has its own level)
-            logging.getLogger(name).setLevel(logging.ERROR)
+    # the launcher's notes on shutting down after Ctrl-C, and its "failed (exitcode: 2) local_rank: 0 ..." line after a
+    # process's own one-line error: silenced (each of its modules' loggers has its own level); a process that dies
+    # without a word of its own (a signal, an abort) is reported below
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or usable_cores()) // n)
     # the launcher's own log directory (empty: nothing is redirected) in one we remove, not a torchelastic_* left in /tmp
     logs = tempfile.TemporaryDirectory(prefix="qrecover-launch-")
@@ -199,8 +202,12 @@ def relaunch(n: int, argv: list[str]) -> NoReturn:
     try:
         elastic_launch(config, sys.executable)("-m", "qrecover.cli", *argv)
     except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        sys.exit(codes.get(0) or next(iter(codes.values())) or 1)
+        rank, first = e.get_first_failure()  # the others were stopped by the launcher because of it
+        code = first.exitcode or 1
+        if code < 0 or code > 2:  # 1 and 2: the process printed its own error (and a traceback for 1)
+            how = f"signal {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"exit code {code}"
+            print(f"error: compress process {rank} of {n} ended with {how}; no checkpoint was written", file=sys.stderr)
+        sys.exit(128 - code if code < 0 else code)
     except (KeyboardInterrupt, SignalException) as e:  # Ctrl-C: the launcher passes the signal on to the processes,
         # each removes its temporary files on the way out (qrecover.distributed.join), and this one reports it once
         sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
