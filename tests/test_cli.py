@@ -356,3 +356,14 @@ def test_uniform_spec_no_finalize_and_info_layers(tiny_model_dir, tmp_path, caps
     assert code == 0, err
     assert "blockwise:4/b32/asym" in stdout and "model.layers.1.mlp.down_proj" in stdout
     assert "finalize" in flat(err + stdout)
+
+
+@pytest.mark.parametrize("command", [["recover"], ["tune", "--out", "T"], ["finetune", "--init-adapter", "A", "--data", "D",
+                                                                           "--out", "F"]])
+def test_commands_on_a_checkpoint_name_a_missing_one_as_such(command, capsys, tmp_path):
+    """``recover``, ``tune`` and ``finetune`` take a compressed checkpoint: a path that does not exist is named as a
+    checkpoint, with how to make one (not as a model to download), exit 2, nothing written."""
+    missing = tmp_path / "ckpt"
+    argv = [command[0], str(missing), *[str(tmp_path / a) if a in ("T", "A", "D", "F") else a for a in command[1:]]]
+    expect_error(argv, capsys, f"checkpoint '{missing}' does not exist", "qrecover compress --out DIR")
+    assert list(tmp_path.iterdir()) == []

@@ -84,6 +84,9 @@ def read_mix_or_data(mix: str | Path | None) -> Mix | dict[str, Any]:
 
 
 def _require_checkpoint(checkpoint: str | Path) -> Path:
+    if not Path(checkpoint).expanduser().exists():
+        raise QRecoverError(f"checkpoint {str(checkpoint)!r} does not exist; pass the directory that "
+                            "`qrecover compress --out DIR` wrote")
     path, kind = resolve(str(checkpoint))
     if kind != "qrecover":
         raise QRecoverError(f"{str(checkpoint)!r} is an unquantized model ({kind}); recovery trains adapters on a "
