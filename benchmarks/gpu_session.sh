@@ -12,6 +12,9 @@
 # (build 18-21 s, compress 31-32 s; --profile adds a warm-up step), train-compiled 73 s after train, sweep
 # (benchmarks/decode_sweep.py, the batch-1 decode kernel's configurations on 4096x14336) ~95 s with T_SWEEP=110. The whole
 # former default set (with compress) + r4 took 481 s on 2026-11-27. A machine start costs about a minute of the 15-minute budget.
+# If a kernel variant faults on the GPU (an illegal address ends the process's CUDA context, so the tuner's check cannot
+# skip it), measure around it: QRECOVER_TUNE_OFF=pipe,serial (kinds: pipe, serial, asm, regs, h2, nibbles, dot) makes
+# the tuner leave those out; the failing test in the tests part names the variant.
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
 # benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README), made here with
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \

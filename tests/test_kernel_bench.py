@@ -184,3 +184,25 @@ def test_decode_part_runs_a_whole_compressed_model_through_the_kernels(tmp_path)
     # the head (512 x 64) packed at 4.625 bits, the linears at about 3.2: over 3.5x fewer bytes than fp16
     assert d["bandwidth_bound_vs_fp16"] == pytest.approx(d["weight_mb_per_token_fp16"] / d["weight_mb_per_token"])
     assert d["bandwidth_bound_vs_fp16"] > 3.5
+
+
+def test_tune_off_leaves_out_the_named_variant_kinds(monkeypatch):
+    """``QRECOVER_TUNE_OFF``: the tuner leaves out the kinds of kernel variant it names (to measure around one that
+    faults on a GPU); an unknown kind, or a list that leaves nothing, is an error naming the value."""
+    from qrecover.kernels import gemv, qmatmul
+    from qrecover.kernels.formats import Format
+
+    fmt = Format(0, 3, 4096, 14336, 16, 14336, False)
+    configs = qmatmul.candidate_configs(fmt, 1, fp16=True)
+    seen = set().union(*(qmatmul.variant_kinds(c, fmt) for c in configs))
+    assert {"pipe", "serial", "asm", "regs", "h2", "nibbles"} <= seen
+    kept = qmatmul.without_variants(configs, fmt, {"QRECOVER_TUNE_OFF": "pipe, serial,regs"})
+    assert kept and all(not c.pipe and not c.serial and c.lut < gemv.LUT_REGS for c in kept)
+    assert kept[0] == configs[0] and qmatmul.without_variants(configs, fmt, {}) == configs
+    blockwise = Format(1, 4, 4096, 14336, 1, 64, False)
+    assert all(c.lut != gemv.BLOCKWISE_H2 for c in qmatmul.without_variants(
+        qmatmul.candidate_configs(blockwise, 1, fp16=True), blockwise, {"QRECOVER_TUNE_OFF": "h2"}))
+    with pytest.raises(ValueError, match="unknown kinds \\['pipes'\\]; choose from pipe, serial"):
+        qmatmul.without_variants(configs, fmt, {"QRECOVER_TUNE_OFF": "pipes"})
+    with pytest.raises(ValueError, match="leaves no kernel config.*QRECOVER_KERNELS=0"):
+        qmatmul.without_variants(configs[:1], fmt, {"QRECOVER_TUNE_OFF": "asm"})

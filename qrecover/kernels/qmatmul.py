@@ -47,6 +47,7 @@ tensor-core ``tl.dot``; accumulation is fp32.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import torch
@@ -441,6 +442,38 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(err)) and float(err) <= CHECK_TOL
 
 
+#: ``QRECOVER_TUNE_OFF=pipe,serial,...``: kinds of kernel variant the tuner leaves out (:func:`variant_kinds`), e.g. to
+#: measure around one that faults on a GPU (a fault ends the process's CUDA context, which no check can catch)
+TUNE_OFF_ENV = "QRECOVER_TUNE_OFF"
+VARIANT_KINDS = ("pipe", "serial", "asm", "regs", "h2", "nibbles", "dot")
+
+
+def variant_kinds(cfg: Config, fmt: Format) -> set[str]:
+    """The kinds of variant ``cfg`` is: ``pipe`` (code words pipelined), ``serial`` (split-K in one launch), ``asm``
+    (inline PTX), ``regs`` (palettize register tables), ``h2`` (fp16 pair FMAs), ``nibbles`` (repacked codes), ``dot``
+    (the batch 5-64 decode-and-dot kernel)."""
+    palettize = fmt.scheme == 0
+    return {k for k, on in (("pipe", cfg.pipe), ("serial", cfg.serial), ("asm", cfg.asm), ("dot", isinstance(cfg, DotDecode)),
+                            ("regs", palettize and cfg.lut >= gemv.LUT_REGS), ("h2", cfg.lut in gemv.H2_MODES),
+                            ("nibbles", palettize and cfg.lut in gemv.NIBBLE_MODES)) if on}
+
+
+def without_variants(configs: list[Config], fmt: Format, environ=os.environ) -> list[Config]:
+    """``configs`` less the variant kinds ``QRECOVER_TUNE_OFF`` names; an unknown kind, or nothing left, is an error
+    naming the value."""
+    off = {k.strip() for k in environ.get(TUNE_OFF_ENV, "").split(",") if k.strip()}
+    if not off:
+        return configs
+    if off - set(VARIANT_KINDS):
+        raise ValueError(f"{TUNE_OFF_ENV}={environ[TUNE_OFF_ENV]!r}: unknown kinds {sorted(off - set(VARIANT_KINDS))}; "
+                         f"choose from {', '.join(VARIANT_KINDS)}")
+    kept = [c for c in configs if not variant_kinds(c, fmt) & off]
+    if not kept:
+        raise ValueError(f"{TUNE_OFF_ENV}={environ[TUNE_OFF_ENV]!r} leaves no kernel config for {fmt}; name fewer kinds, "
+                         "or QRECOVER_KERNELS=0 for the dense path")
+    return kept
+
+
 def _checker(ref: torch.Tensor | None, run):
     """The tuner's check of a candidate (``run(cfg)``: its output) against the reference output ``ref``; None (no
     check) without a reference or where it is not finite (inputs with inf or NaN: nothing to judge by, and the layer
@@ -463,7 +496,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
         configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
     if tensors["qdata"].nbytes > dispatch.DENSE_FREE_FRACTION * dispatch.free_memory(x.device):  # no room for a
         configs = [c for c in configs if c.lut not in gemv.NIBBLE_MODES]  # second copy of the codes
-    configs = configs[:TUNE_LIMIT]
+    configs = without_variants(configs, fmt)[:TUNE_LIMIT]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
     elif torch.cuda.is_current_stream_capturing():  # inside someone's graph capture nothing can be timed: not kept
