@@ -335,26 +335,19 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
            # a tied packed head takes the kernels' path on CUDA too (QuantLMHead); an unquantized head is a dense matmul
            "head": (f"packed, {kernels.layer_format(head)}" if isinstance(head, QuantLMHead) else f"dense {type(head).__name__}"),
            **weight_mb_per_token(qmodel)}
-    old = os.environ.get("QRECOVER_KERNELS")
-    try:
-        # QuantLinear.forward (and QuantLMHead's) only dispatches CUDA inputs: route the packed layers to the kernel here
-        routed = quant + ([head] if isinstance(head, QuantLMHead) else []) if device == "cpu" else []
-        for m in routed:
-            if not isinstance(kernels.layer_format(m), str):
-                m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
-        os.environ["QRECOVER_KERNELS"] = "1"
+    # QuantLinear.forward (and QuantLMHead's) only dispatches CUDA inputs: route the packed layers to the kernel here
+    routed = quant + ([head] if isinstance(head, QuantLMHead) else []) if device == "cpu" else []
+    for m in routed:
+        if not isinstance(kernels.layer_format(m), str):
+            m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
+    with kernels_env("1"):
         fused_tokens, fused_tps, fused_logits = generate(qmodel)
-        for m in routed:
-            m.__dict__.pop("forward", None)
-        if device == "cpu" and not calls["fused"]:
-            raise RuntimeError("no layer went through the fused kernel")
-        os.environ["QRECOVER_KERNELS"] = "0"
+    for m in routed:
+        m.__dict__.pop("forward", None)
+    if device == "cpu" and not calls["fused"]:
+        raise RuntimeError("no layer went through the fused kernel")
+    with kernels_env("0"):
         ref_tokens, ref_tps, ref_logits = generate(qmodel)
-    finally:
-        if old is None:
-            os.environ.pop("QRECOVER_KERNELS", None)
-        else:
-            os.environ["QRECOVER_KERNELS"] = old
     row["greedy_tokens_match"] = sum(a == b for a, b in zip(fused_tokens, ref_tokens)) / new_tokens
     row["prompt_logits_rel_err"] = rel_err(fused_logits, ref_logits)
     if timed:
@@ -384,7 +377,7 @@ def static_graph_decode(qmodel, dense, ids: torch.Tensor, new_tokens: int) -> di
     the fused kernels (``QRECOVER_KERNELS=1``) and the fp16 model, and the ratio the issue asks >= 2x of."""
     from benchmarks.decode_graph import greedy_static
 
-    with kernels_forced():
+    with kernels_env():
         q = greedy_static(qmodel, ids, new_tokens)
     row = {"graph_tok_s_fused": q["tok_per_s"], "graph_fused": q["graph"], "graph_fused_error": q["graph_error"],
            "graph_warmup_s_fused": q["warmup_s"]}
@@ -399,7 +392,7 @@ def static_graph_decode(qmodel, dense, ids: torch.Tensor, new_tokens: int) -> di
     for name, model in (("fused", qmodel), ("fp16", dense)):
         if model is None:
             continue
-        with kernels_forced() if name == "fused" else contextlib.nullcontext():
+        with kernels_env() if name == "fused" else contextlib.nullcontext():
             try:
                 c = greedy_static(model, ids, new_tokens, compile=True)
             except Exception as e:  # noqa: BLE001 - reported in the row; the eager rows above stand
@@ -413,10 +406,11 @@ def static_graph_decode(qmodel, dense, ids: torch.Tensor, new_tokens: int) -> di
 
 
 @contextlib.contextmanager
-def kernels_forced():
-    """``QRECOVER_KERNELS=1`` inside (every packed layer on the fused kernel), the old value restored after."""
+def kernels_env(value: str = "1"):
+    """``QRECOVER_KERNELS=value`` inside ("1": every packed layer on the fused kernel, "0": the reference path), the
+    old value restored after."""
     old = os.environ.get("QRECOVER_KERNELS")
-    os.environ["QRECOVER_KERNELS"] = "1"
+    os.environ["QRECOVER_KERNELS"] = value
     try:
         yield
     finally:

@@ -260,10 +260,11 @@ def test_shrink_splits_fill_the_gpu():
 
     for m in (1, 2, 4, 16, 64, 300):
         for k in (128, 4096, 14336):
-            block_k, k_split, n = shrink_splits(m, k)
+            block_k = 128
+            k_split, n = shrink_splits(m, k, block_k)
             assert k_split % block_k == 0 and (n - 1) * k_split < k <= n * k_split, (m, k)
             assert m * n >= 2 * 132 or 2 * n > min(k // block_k, MAX_SPLITS), (m, k, n)  # (k_split rounds up)
-    assert shrink_splits(1, 4096)[2] == 32 and shrink_splits(16, 4096)[2] == 32 and shrink_splits(1, 14336)[2] == 56
+    assert shrink_splits(1, 4096)[1] == 32 and shrink_splits(16, 4096)[1] == 32 and shrink_splits(1, 14336)[1] == 56
 
 
 @needs_triton

@@ -89,14 +89,14 @@ def _row_scales(weight: torch.Tensor, scale: torch.Tensor | None, shape: tuple[i
 MAX_SPLITS = 64
 
 
-def shrink_splits(m: int, k: int, block_k: int = 128) -> tuple[int, int, int]:
-    """``(block_k, k_split, n_splits)`` of the shrink for ``m`` tokens and ``k`` inputs: split-K sized so that the
+def shrink_splits(m: int, k: int, block_k: int = 128) -> tuple[int, int]:
+    """``(k_split, n_splits)`` of the shrink for ``m`` tokens and ``k`` inputs: split-K sized so that the
     ``m x n_splits`` programs fill the GPU's SMs twice over (at most one split per ``block_k`` columns). A split per
     1,024 columns, as before 2026-11-29, ran 4 programs at batch 1 and 64 at batch 16 on a 4096-input layer: on 132
     SMs a latency-bound chain of dependent loads per program."""
     split = max(1, min(k // block_k, triton.next_power_of_2(triton.cdiv(2 * SMS, m)), MAX_SPLITS))
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return block_k, k_split, triton.cdiv(k, k_split)
+    return k_split, triton.cdiv(k, k_split)
 
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor, a_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +109,8 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, index: torch.Tensor, a_scale: 
     n, r, _ = lora_a.shape
     x, lora_a, index = x.contiguous(), lora_a.contiguous(), index.contiguous()
     scales = _row_scales(lora_a, a_scale, (n, r), "lora_a")
-    block_k, k_split, n_splits = shrink_splits(m, k, 32 if interpreting() else 128)
+    block_k = 32 if interpreting() else 128
+    k_split, n_splits = shrink_splits(m, k, block_k)
     t = torch.empty((n_splits, m, r), device=x.device, dtype=torch.float32)  # every slot is written
     _shrink_kernel[(m, n_splits)](x, lora_a, scales, index, t, m, k, r, k_split, x.stride(0), lora_a.stride(0),
                                   lora_a.stride(1), INT8=lora_a.dtype == torch.int8, R_PAD=_r_pad(r), BLOCK_K=block_k)
