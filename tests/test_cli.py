@@ -367,3 +367,34 @@ def test_commands_on_a_checkpoint_name_a_missing_one_as_such(command, capsys, tm
     argv = [command[0], str(missing), *[str(tmp_path / a) if a in ("T", "A", "D", "F") else a for a in command[1:]]]
     expect_error(argv, capsys, f"checkpoint '{missing}' does not exist", "qrecover compress --out DIR")
     assert list(tmp_path.iterdir()) == []
+
+
+def _commands(cmd, path=()):
+    """Every (sub)command of the click tree typer builds, with its argv prefix."""
+    yield list(path), cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_shows_bracketed_text_as_written(capsys):
+    """typer renders help as rich markup, where ``[train-gpu]`` or ``[[source]]`` would be taken for a style tag and
+    vanish; every bracketed word in a help text, an option's help or an epilog must reach ``--help`` as written."""
+    import re
+
+    import typer.main
+
+    from qrecover.cli import app
+
+    checked = 0
+    for path, cmd in _commands(typer.main.get_command(app)):
+        texts = [cmd.help or "", cmd.epilog or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+        wanted = [m.replace("\\[", "[") for t in texts for m in re.findall(r"\\?\[[^\]\n]*\]+", t)]
+        if not wanted:
+            continue
+        code, out, err = run([*path, "--help"], capsys)
+        assert code == 0, err
+        shown = "".join(out.split())
+        for w in wanted:
+            assert "".join(w.split()) in shown, (path, w)
+            checked += 1
+    assert checked >= 4  # [train-gpu] (recover, finetune), [tune], [[source]] at least

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 
 def _option(f: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
@@ -26,7 +27,7 @@ def _option(f: dataclasses.Field, annotation: Any) -> tuple[Any, Any]:
     meta = f.metadata
     flag = meta.get("flag") or "--" + f.name.replace("_", "-")
     names = [flag, *([meta["short"]] if meta.get("short") else [])]
-    text = meta.get("help", "")
+    text = escape(meta.get("help", ""))  # typer renders help as rich markup: "qrecover[train-gpu]" must stay as written
     help_text = text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
     if meta.get("negate"):  # a bool that defaults to True: the flag turns it off
         return bool, typer.Option(False, *names, help=f"Turn off: {text}" + ("" if text.endswith(".") else "."))

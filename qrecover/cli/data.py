@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import QRecoverError
 from .common import JsonOpt, ModelArg, console, emit_json
@@ -30,7 +31,7 @@ app = typer.Typer(name="data", help="Prepare training data: tokenize a mix once 
 
 @app.command("prepare", epilog=EXAMPLES)
 def prepare_command(
-    mix: Path = typer.Argument(..., help="Data-mix recipe (TOML with [[source]] tables), as `qrecover recover --mix` takes."),
+    mix: Path = typer.Argument(..., help=escape("Data-mix recipe (TOML with [[source]] tables), as `qrecover recover --mix` takes.")),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     model: Optional[str] = ModelArg,
     workers: Optional[int] = typer.Option(None, "--workers", "-j", help="Tokenizer processes (default: min(cores, 8)); the output is "

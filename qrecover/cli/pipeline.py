@@ -49,8 +49,8 @@ def pipeline(
                                                       "processes; the report is written when every stage is done."),
     json_out: bool = JsonOpt,
 ) -> None:
-    """The whole experiment from one recipe: evaluate the original, compress at each bpw, tune each checkpoint (with
-    a [tune] table), recover at each rank, evaluate every model, write the Table-10 report. Completed stages are
+    r"""The whole experiment from one recipe: evaluate the original, compress at each bpw, tune each checkpoint (with
+    a \[tune] table), recover at each rank, evaluate every model, write the Table-10 report. Completed stages are
     skipped."""
     from rich.markup import escape
 
