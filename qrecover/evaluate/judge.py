@@ -56,6 +56,7 @@ from typing import Any
 
 from ..benchdata import DATA, data_file
 from ..errors import QRecoverError
+from ..io_utils import write_text_atomic
 from ..progress import progress
 from ..reports.results import Metric
 from .judge_client import JudgeClient, JudgeConfig
@@ -358,5 +359,5 @@ def evaluate_alpaca(model, tokenizer, limit: int | None, judge_url: str, judge_m
     """
     run = run_alpaca(model, tokenizer, limit, judge_url, judge_model, **kw)
     if details_path is not None:
-        Path(details_path).write_text(json.dumps(run.to_dict(), indent=1) + "\n")
+        write_text_atomic(details_path, json.dumps(run.to_dict(), indent=1) + "\n")
     return run.metric()

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..errors import QRecoverError
 from ..fields import doc_field
-from ..io_utils import read_json
+from ..io_utils import read_json, write_text_atomic
 
 SCHEMA_VERSION = 1
 KINDS = ("original", "quantized", "tuned", "recovered")
@@ -135,7 +135,7 @@ class Results:
         return json.dumps(self.to_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        write_text_atomic(path, self.to_json() + "\n")  # all or nothing: a reader never sees half a file
 
     @classmethod
     def from_dict(cls, d: Any, source: str | None = None) -> "Results":
