@@ -117,9 +117,10 @@ class CompressConfig(DictConfig):
             raise QRecoverError(f"--grad-precision {self.grad_precision!r} must be fp32, bf16 or auto")
         if self.finalize_precision not in ("fp32", "bf16", "auto"):
             raise QRecoverError(f"--finalize-precision {self.finalize_precision!r} must be fp32, bf16 or auto")
-        for name in ("calib_samples", "seq_len"):
+        for name, example in (("calib_samples", 32), ("seq_len", 512)):
             if getattr(self, name) <= 0:
-                raise QRecoverError(f"{name}={getattr(self, name)} must be positive")
+                flag = "--" + name.replace("_", "-")
+                raise QRecoverError(f"{flag} {getattr(self, name)} must be positive, e.g. {flag} {example}")
         if self.grad_samples is not None and not 1 <= self.grad_samples <= self.calib_samples:
             raise QRecoverError(f"--grad-samples {self.grad_samples} must be between 1 and --calib-samples ({self.calib_samples})")
 

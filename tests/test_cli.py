@@ -369,6 +369,24 @@ def test_commands_on_a_checkpoint_name_a_missing_one_as_such(command, capsys, tm
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", [["recover"], ["tune", "--out", "T"], ["finetune", "--init-adapter", "A", "--data", "D",
+                                                                           "--out", "F"]])
+def test_commands_on_a_checkpoint_name_a_directory_that_is_none(command, capsys, tmp_path):
+    """A directory that exists but holds neither a checkpoint's manifest nor a model's config is named as not a
+    checkpoint (before: "has no config.json: not a Hugging Face model directory"), exit 2, nothing written."""
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    argv = [command[0], str(empty), *[str(tmp_path / a) if a in ("T", "A", "D", "F") else a for a in command[1:]]]
+    expect_error(argv, capsys, f"'{empty}' is not a qrecover checkpoint (no qrecover.json)", "qrecover compress --out DIR")
+    assert list(tmp_path.iterdir()) == [empty] and list(empty.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag,value", [("--calib-samples", "0"), ("--seq-len", "-5")])
+def test_compress_window_flags_named_in_errors(flag, value, tiny_model_dir, tmp_path, capsys):
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", flag, value), capsys, f"{flag} {value} must be positive, e.g. {flag} ")
+    assert not (tmp_path / "o").exists()
+
+
 def _commands(cmd, path=()):
     """Every (sub)command of the click tree typer builds, with its argv prefix."""
     yield list(path), cmd

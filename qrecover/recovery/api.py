@@ -35,7 +35,7 @@ from ..adapters.int8 import INT8_FILE
 from ..adapters.lora import ADAPTER_META, attach_lora, base_identity, check_base, quantized_targets, save_adapter
 from ..adapters.rank_alloc import damage_ranks
 from ..adapters.svd_init import init_device, init_error_svd
-from ..checkpoint import read_manifest, source_model_spec
+from ..checkpoint import MANIFEST, read_manifest, source_model_spec
 from ..data.mix import MixLoader, calibration_windows
 from ..data.mix_recipe import Mix, load_mix, single_source_mix
 from ..data.shards import ShardLoader, check_tokenizer, is_prepared, read_data_manifest
@@ -86,6 +86,10 @@ def read_mix_or_data(mix: str | Path | None) -> Mix | dict[str, Any]:
 def _require_checkpoint(checkpoint: str | Path) -> Path:
     if not Path(checkpoint).expanduser().exists():
         raise QRecoverError(f"checkpoint {str(checkpoint)!r} does not exist; pass the directory that "
+                            "`qrecover compress --out DIR` wrote")
+    given = Path(checkpoint).expanduser()
+    if given.is_dir() and not (given / MANIFEST).is_file() and not (given / "config.json").is_file():
+        raise QRecoverError(f"{str(checkpoint)!r} is not a qrecover checkpoint (no {MANIFEST}); pass the directory that "
                             "`qrecover compress --out DIR` wrote")
     path, kind = resolve(str(checkpoint))
     if kind != "qrecover":
