@@ -8,6 +8,7 @@ random weights, a byte-level tokenizer and a synthetic text are generated):
     python benchmarks/train_speed.py --budget-s 240      # build + compress + train + table within 4 minutes
     python benchmarks/train_speed.py --batches 1,2,4,8   # micro-batch sizes to try (seq 2048)
     python benchmarks/train_speed.py --micro-batch auto  # the largest micro-batch that fits (CUDA; 1 on a CPU)
+    python benchmarks/train_speed.py --budget-s 240 --loss-chunk 1024,4096   # the loss's chunk size, one run each
 
 On this CPU, end to end on a tiny config in seconds (what tests/test_train_speed.py runs; timings are the
 plumbing's, not a GPU's):
@@ -191,11 +192,12 @@ class StepCounts:
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
                compile_layers: bool = False, checkpointing: bool = False, profile: bool = False,
-               precision: str = "auto", base_dtype: str = "auto") -> dict:
+               precision: str = "auto", base_dtype: str = "auto", loss_chunk: int | None = None) -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
+    chunk = {} if loss_chunk is None else {"loss_chunk": loss_chunk}
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
                         mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, base_dtype=base_dtype, log_every=log_every,
-                        compile_layers=compile_layers, gradient_checkpointing=checkpointing)
+                        compile_layers=compile_layers, gradient_checkpointing=checkpointing, **chunk)
     t0 = time.perf_counter()
     try:
         with StepCounts(profile) as counts:
@@ -205,12 +207,12 @@ def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps
                   f"steady-state tokens/s exclude the profiler's overhead):\n{counts.profile_table}", flush=True)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
-        return {"batch": batch, "oom": str(e).splitlines()[0][:200]}
+        return {"batch": batch, "loss_chunk": cfg.loss_chunk, "oom": str(e).splitlines()[0][:200]}
     t = meta["training"]
     warm = t.get("warmup")
     steady_tokens = t["tokens"] - warm["tokens"] if warm else t["tokens"]
     steady_s = t["seconds"] - warm["seconds"] if warm else t["seconds"]
-    return {"batch": batch, "tokens": t["tokens"], "steps": t["steps"], "tok_per_s": steady_tokens / steady_s,
+    return {"batch": batch, "loss_chunk": cfg.loss_chunk, "tokens": t["tokens"], "steps": t["steps"], "tok_per_s": steady_tokens / steady_s,
             "tok_per_s_incl_warmup": t["tok_per_s"], "warmup_s": warm["seconds"] if warm else None,
             "warmup_steps": warm["steps"] if warm else 0, "train_s": t["seconds"], "run_s": time.perf_counter() - t0,
             "peak_memory_gb": t["peak_memory_bytes"] / 1e9, "precision": t.get("mixed_precision"),
@@ -243,14 +245,19 @@ def print_table(result: dict) -> None:
     print(f"\n{result['device']}, seq {seq_len}, rank 16, kd (teacher on the training device, bf16 on a GPU), {result['steps']} steps per "
           f"size; {fl['total'] / 1e9:.2f} GFLOP per token ({fl['params_matmul'] / 1e9:.3f} B matmul parameters); build "
           f"{result['build_s']:.1f} s, compress {result['compress_s']:.1f} s, total {result['total_s']:.1f} s\n")
+    chunks = {r.get("loss_chunk") for r in result["rows"]}
+
+    def label(r: dict) -> str:  # the loss chunk named where the rows differ in it
+        return f"{r['batch']} x {seq_len}" + (f", loss chunk {r['loss_chunk']}" if len(chunks) > 1 else "")
+
     print("| micro-batch | steady tokens/s | TFLOP/s | MFU | warm-up (steps, s) | peak memory (GB) | host syncs / step "
           "| dispatches / step | copies / step (MB) | SVD init (s) |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         if "oom" in r:
-            print(f"| {r['batch']} x {seq_len} | out of memory | | | | | | | | |")
+            print(f"| {label(r)} | out of memory | | | | | | | | |")
             continue
         init = f"{r['init_seconds']:.1f}" if r.get("init_seconds") is not None else ""
-        print(f"| {r['batch']} x {seq_len} | {r['tok_per_s']:,.0f} | {r['tflops']:.2f} | {100 * r['mfu']:.2f}% | "
+        print(f"| {label(r)} | {r['tok_per_s']:,.0f} | {r['tflops']:.2f} | {100 * r['mfu']:.2f}% | "
               f"{r['warmup_steps']}, {r['warmup_s'] or 0:.1f} | {r['peak_memory_gb']:.1f} | {r['syncs_per_step']:g} | "
               f"{r['dispatches_per_step']:,.0f} | {r.get('copies_per_step') or 0:,} ({r.get('copy_mb_per_step') or 0:,.1f}) | {init} |")
     if result["projection_hours"]:
@@ -258,7 +265,7 @@ def print_table(result: dict) -> None:
         for k, h in result["projection_hours"].items():
             print(f"| {k} | {h:,.1f} |")
     if any(r.get("sync_kinds") for r in result["rows"]):
-        print("\nhost syncs by kind:", "; ".join(f"{r['batch']}: {r['sync_kinds']}" for r in result["rows"] if r.get("sync_kinds")))
+        print("\nhost syncs by kind:", "; ".join(f"{label(r)}: {r['sync_kinds']}" for r in result["rows"] if r.get("sync_kinds")))
     if result["tiny"]:
         print("\n(--tiny: a tiny config on this device; the counts per step are what a GPU run would see, the timings not)")
 
@@ -271,6 +278,10 @@ def parse() -> argparse.Namespace:
                     help="'auto': the largest that fits (CUDA; 1 on a CPU), a size, or sizes (4,8: one run each, also "
                     "with --budget-s, whose limit then covers them all)")
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--loss-chunk", default=None,
+                    help="positions per chunk of the loss (RecoverConfig.loss_chunk; default its 1024), or sizes (1024,4096: one "
+                    "run each per micro-batch): a larger chunk gives the head's gradient GEMM (chunk x hidden outputs, "
+                    "reduced over the vocabulary) more output tiles for the SMs, for more transient memory")
     ap.add_argument("--steps", type=int, default=None,
                     help="optimizer steps per batch size (the first 2 are the warm-up; default 12, 4 with --tiny)")
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
@@ -294,6 +305,8 @@ def parse() -> argparse.Namespace:
         ap.error(f"--steps {args.steps} must be >= 1, --seq-len {args.seq_len} >= 8, --budget-s {args.budget_s} > 0")
     if args.micro_batch not in (None, "auto") and not all(b.isdigit() and int(b) > 0 for b in args.micro_batch.split(",")):
         ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or positive integers, e.g. --micro-batch 4 or 4,8")
+    if args.loss_chunk is not None and not all(c.isdigit() for c in args.loss_chunk.split(",")):
+        ap.error(f"--loss-chunk {args.loss_chunk!r} must be integers >= 0 (0 = unchunked), e.g. --loss-chunk 1024,4096")
     return args
 
 
@@ -317,9 +330,10 @@ def main() -> None:
         batches = [1, 2] if args.tiny else [int(b) for b in args.batches.split(",")]
     fl = flops_per_token(config, seq_len)
     rows = []
-    for b in batches:
+    chunks = [None] if args.loss_chunk is None else [int(c) for c in args.loss_chunk.split(",")]
+    for b, chunk in ((b, c) for b in batches for c in chunks):
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype)
+                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype, chunk)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

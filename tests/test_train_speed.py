@@ -51,4 +51,16 @@ def test_over_budget_exits_1_and_bad_options_exit_2(tmp_path):
     assert p.returncode == 2 and "--micro-batch 'x'" in p.stderr
     p = _run("--micro-batch", "4,0", "--out", str(tmp_path / "bad"))
     assert p.returncode == 2 and "--micro-batch '4,0' must be 'auto' or positive integers" in p.stderr
+    p = _run("--loss-chunk", "1024,-1", "--out", str(tmp_path / "bad"))
+    assert p.returncode == 2 and "--loss-chunk '1024,-1' must be integers >= 0" in p.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_loss_chunk_sizes_run_one_each_and_name_the_chunk(tmp_path):
+    """``--loss-chunk 16,0``: one run per chunk size, each row labelled with it, both free of host reads (0: the full
+    logits' loss, which masks its unlabelled rows instead of indexing them out)."""
+    p = _run("--micro-batch", "1", "--loss-chunk", "16,0", "--steps", "3", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| 1 x 64, loss chunk 16 |" in p.stdout and "| 1 x 64, loss chunk 0 |" in p.stdout
+    rows = json.loads((tmp_path / "train_speed-cpu-tiny.json").read_text())["rows"]
+    assert [r["loss_chunk"] for r in rows] == [16, 0] and all(r["syncs_per_step"] == 0 for r in rows)

@@ -51,7 +51,8 @@ def test_label_positions_equal_the_boolean_mask():
     assert keep.numel() == int(mask.sum())
 
 
-def test_no_device_read_between_logging_steps(tiny_ckpt, text_mix, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_chunk,objective", [(16, "kd"), (0, "mix")])  # 0: the full logits' loss (no boolean index)
+def test_no_device_read_between_logging_steps(tiny_ckpt, text_mix, tmp_path, monkeypatch, loss_chunk, objective):
     per_step: list[HostSyncCounter] = []
     reads: list[tuple[list[int], int]] = []
     real_step, real_read = T.optimizer_step, T._read_losses
@@ -70,8 +71,8 @@ def test_no_device_read_between_logging_steps(tiny_ckpt, text_mix, tmp_path, mon
 
     monkeypatch.setattr(T, "optimizer_step", counted_step)
     monkeypatch.setattr(T, "_read_losses", counted_read)
-    cfg = RecoverConfig(rank=4, tokens=32 * 2 * 2 * 7, seq_len=32, batch_size=2, grad_accum=2, objective="kd",
-                        init="zero", loss_chunk=16, log_every=3, lr=1e-3, decontaminate=False, checkpoint_every=0,
+    cfg = RecoverConfig(rank=4, tokens=32 * 2 * 2 * 7, seq_len=32, batch_size=2, grad_accum=2, objective=objective,
+                        init="zero", loss_chunk=loss_chunk, log_every=3, lr=1e-3, decontaminate=False, checkpoint_every=0,
                         mix=str(text_mix))
     meta = recover(tiny_ckpt, tmp_path / "a", cfg, show_progress=False)
     assert len(per_step) == 7

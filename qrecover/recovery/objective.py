@@ -50,24 +50,27 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictions at t for the token at t + 1: ``(n, vocab)`` logits and ``(n,)`` targets, masked rows dropped."""
+def _shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Predictions at t for the token at t + 1: ``(n, vocab)`` logits, ``(n,)`` targets and the ``(n,)`` mask of the
+    rows that carry a label. The masked rows are kept, not dropped: boolean indexing has a data-dependent shape, and
+    so would read the mask back from the device (a host synchronisation) at every step."""
     logits, targets = logits[:, :-1], labels[:, 1:]
-    keep = targets != -100
-    return logits[keep], targets[keep]
+    return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), (targets != -100).reshape(-1)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    lg, tg = _shift(logits, labels)
-    return F.cross_entropy(_wide(lg), tg)
+    lg, tg, _ = _shift(logits, labels)
+    return F.cross_entropy(_wide(lg), tg, ignore_index=-100)  # the mean over labelled rows (NaN if none)
 
 
 def distillation(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    s, _ = _shift(student, labels)
-    t, _ = _shift(teacher, labels)
+    s, _, keep = _shift(student, labels)
+    t, _, _ = _shift(teacher, labels)
     log_s = F.log_softmax(_wide(s) / temperature, dim=-1)
     log_t = F.log_softmax(_wide(t) / temperature, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * temperature**2
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)
+    # the mean over labelled rows (NaN if none), an unlabelled row's value not read (where, not a product: it may be nan)
+    return torch.where(keep, kl, 0.0).sum() / keep.sum() * temperature**2
 
 
 def loss_fn(objective: str, student: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None = None,
