@@ -152,13 +152,26 @@ class _Packed(nn.Module):
                 return self._quantizer.dequantize(qw, dtype)
             w = self._master_value("qdata")  # straight through: forward the decoded nearest codes, backward to w
             return self._quantizer.decode(qw, self._quantizer.encode(qw, w), dtype) + (w - w.detach()).to(dtype)
-        if self._dense is not None and self._dense.dtype == dtype:
-            return self._dense
+        for cached in (self._dense, self.__dict__.get("_dense_other")):
+            if cached is not None and cached.dtype == dtype:
+                return cached
         with torch.no_grad():
             dense = self._quantizer.dequantize(self.packed, dtype)
         if self.cache:
-            self._dense = dense
+            if self._dense is None:
+                self._dense = dense
+            else:  # a second dtype (a tied table: fp32 lookups, bf16 head while training): kept beside the first
+                self.__dict__["_dense_other"] = dense  # rather than each dtype evicting the other at every step
         return dense
+
+    @property
+    def _dense(self) -> torch.Tensor | None:
+        """The dense cache (:meth:`dequantize`); setting it (None: dropped) drops the second dtype's too."""
+        return self.__dict__.get("_dense_main")
+
+    @_dense.setter
+    def _dense(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_dense_main"], self.__dict__["_dense_other"] = value, None
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, scheme={self.scheme}, bits={self.bits}, params={self.params}"
