@@ -50,3 +50,13 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     word = (groups << (torch.arange(bits, dtype=torch.int64, device=flat.device) * 8)).sum(dim=1)
     codes = (word.unsqueeze(1) >> (torch.arange(8, dtype=torch.int64, device=flat.device) * bits)) & ((1 << bits) - 1)
     return codes.to(torch.uint8).reshape(-1)[:numel]
+
+
+def take_rows(packed: torch.Tensor, bits: int, row_len: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """The packed bytes of rows ``rows`` (1-D long) of a C-order ``(R, row_len)`` code array packed by :func:`pack`,
+    as one packed stream of ``len(rows)`` rows; None when a row does not fill whole bytes (``row_len * bits % 8``),
+    so that rows do not start on a byte."""
+    if row_len * bits % 8:
+        return None
+    width = row_len * bits // 8
+    return packed.reshape(-1, width).index_select(0, rows).reshape(-1)

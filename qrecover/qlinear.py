@@ -237,7 +237,24 @@ class QuantEmbedding(_Packed):
         return self.dequantize()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.dequantize(), self.padding_idx)  # in compute_dtype, as the model's own dtype
+        """The rows of ``ids`` in :attr:`compute_dtype`. On the CPU and while training, only those rows are decoded
+        (:meth:`lookup`) unless a dense cache in that dtype exists already (a tied head on the CPU makes one): no dense
+        copy of the table is made for lookups (a 1B model's 128k x 2048 table is 1 GB in fp32; an untied 8B's, 2 GB).
+        In inference on a GPU the dense cache is kept as before: one gather per decoded token rather than the ~20 small
+        launches of a row decode."""
+        cached = self._dense is not None and self._dense.dtype == self.compute_dtype
+        if self._masters or cached or (ids.device.type != "cpu" and not self.training):
+            return F.embedding(ids, self.dequantize(), self.padding_idx)
+        return self.lookup(ids)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``dequantize()[ids]``, decoding only the rows of ``ids`` where the scheme can (:meth:`Quantizer.rows`;
+        every row asked for, repeats included: no ``unique``, whose size the host would have to read)."""
+        flat = ids.reshape(-1).long()
+        rows = self._quantizer.rows(self.packed, flat, self.compute_dtype)
+        if rows is None:  # no row access for this scheme or width: the whole table (and the cache, if kept)
+            return F.embedding(ids, self.dequantize(), self.padding_idx)
+        return rows.reshape(*ids.shape, self.embedding_dim)
 
     @classmethod
     def replacing(cls, old: nn.Embedding, qw: QuantizedWeight, cache: bool = True) -> "QuantEmbedding":

@@ -1,13 +1,18 @@
-"""The dense cache of a packed layer (:meth:`qrecover.qlinear._Packed.dequantize`).
+"""The dense cache of a packed layer (:meth:`qrecover.qlinear._Packed.dequantize`), and packed embedding lookups
+that decode only their rows (:meth:`qrecover.schemes.base.Quantizer.rows`).
 
 A tied packed table is read in two dtypes while training with a bf16 base on a GPU: its lookups in the compute
 dtype (fp32) and the output head in bf16. Each dtype must be dequantized once and then served from the cache; before,
 each evicted the other, so the whole table was dequantized twice at every step. Dropping the cache (a move, a cast,
 new packed tensors) drops both dtypes.
+
+A lookup reads a few rows of a large table: it decodes those rows (the same values as the whole dequantization's,
+every scheme and width), and keeps no dense copy of the table unless one is kept already in its dtype.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qrecover.qlinear import QuantEmbedding
@@ -63,3 +68,59 @@ def test_no_cache_keeps_nothing(monkeypatch):
     calls = _counted(layer, monkeypatch)
     layer.dequantize(), layer.dequantize(torch.bfloat16), layer.dequantize()
     assert len(calls) == 3 and layer._dense is None
+
+
+# --- lookups decode only their rows ----------------------------------------------------------------------------
+
+ROW_CASES = [("blockwise", dict(block_size=32, symmetric=True), 4, (64, 96)),
+             ("blockwise", dict(block_size=32, symmetric=False), 3, (64, 96)),  # zero points end inside a byte: repacked
+             ("blockwise", dict(block_size=16, symmetric=False), 8, (48, 64)),
+             ("gptq", dict(group_size=32, symmetric=False), 4, (64, 96)),
+             ("gptq", dict(group_size=32, symmetric=False), 2, (64, 96)),
+             ("palettize", dict(group_size=16), 3, (64, 96)),
+             ("palettize", dict(group_size=16, block_size=32), 2, (64, 96)),
+             ("palettize", dict(group_size=8), 6, (32, 64))]
+
+
+def _quantized(scheme, params, bits, shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(bits))
+    stats = {"hessian": torch.eye(shape[1]) + 0.1, "input_sq": torch.ones(shape[1])}
+    q = get_quantizer(scheme, **params)
+    return q, q.quantize(w, bits, stats)
+
+
+
+
+@pytest.mark.parametrize("scheme,params,bits,shape", ROW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rows_are_the_whole_dequantization_rows(scheme, params, bits, shape, dtype):
+    q, qw = _quantized(scheme, params, bits, shape)
+    ids = torch.tensor([5, 0, shape[0] - 1, 5, 17, 16, 15])  # repeats, both ends, a group's edge
+    rows = q.rows(qw, ids, dtype)
+    assert rows.dtype == dtype and torch.equal(rows, q.dequantize(qw, dtype)[ids])
+
+
+def test_rows_whose_codes_end_inside_a_byte_are_not_taken():
+    q, qw = _quantized("blockwise", dict(block_size=None, symmetric=True), 3, (16, 36))  # 108 bits a row
+    assert q.rows(qw, torch.tensor([1])) is None
+
+
+def test_embedding_lookup_decodes_rows_and_keeps_no_dense_table(monkeypatch):
+    """A lookup gives exactly ``F.embedding`` of the whole dequantized table, of any ids shape, and leaves no
+    table-sized copy behind; where a dense cache in the compute dtype exists (a tied head on the CPU), it is read."""
+    for scheme, params, bits, shape in ROW_CASES:
+        _, qw = _quantized(scheme, params, bits, shape)
+        emb = QuantEmbedding(qw, cache=True)
+        ids = torch.tensor([[3, 3, 0], [shape[0] - 1, 7, 16]])
+        want = torch.nn.functional.embedding(ids, emb._quantizer.dequantize(emb.packed))
+        assert torch.equal(emb(ids), want) and emb._dense is None, scheme
+    emb.dequantize()  # the cache, in the compute dtype: lookups read it from now on
+    monkeypatch.setattr(emb._quantizer, "rows", lambda *a: pytest.fail("rows decoded beside a dense cache"))
+    assert torch.equal(emb(ids), want)
+
+
+def test_embedding_without_row_access_falls_back_to_the_whole_table():
+    _, qw = _quantized("blockwise", dict(block_size=None, symmetric=True), 3, (16, 36))
+    emb = QuantEmbedding(qw, cache=True)
+    ids = torch.tensor([0, 15, 4])
+    assert torch.equal(emb(ids), emb._quantizer.dequantize(emb.packed)[ids]) and emb._dense is not None

@@ -205,7 +205,9 @@ def test_tied_head_is_a_packed_linear_to_the_dispatch(on_gpu, monkeypatch):
     head = QuantLMHead(emb).eval()
     assert kernels.layer_format(head) == kernels.layer_format(emb) and head.shape == (96, 64)
     with torch.no_grad():
-        emb(torch.tensor([[1, 5, 7]], device=DEV))  # lookups: the embedding keeps its dense cache
+        emb(torch.tensor([[1, 5, 7]], device=DEV))  # lookups decode their rows: no dense table is made for them
+        assert emb._dense is None
+        emb.dequantize()  # a dense cache (e.g. made by code that read emb.weight): the head may use it, never copy it
         cache = emb._dense
         assert cache is not None and cache.dtype == torch.float32
         x1, x20 = torch.randn(1, 64, device=DEV), torch.randn(20, 64, device=DEV)

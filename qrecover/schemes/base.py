@@ -110,6 +110,12 @@ class Quantizer:
         ``qw.dequantize()`` exactly."""
         raise QRecoverError(f"scheme {self.name!r} cannot re-assign its codes (no encode); leave 'codes' out of --params")
 
+    def rows(self, qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """``dequantize(qw, dtype)[ids]`` for ``ids`` (1-D long), decoding only those rows: an embedding lookup reads
+        a few rows of a large table, and need not dequantize (or keep) the whole of it. The same values as the whole
+        dequantization's rows. None where the scheme has no row access (the caller then dequantizes it all)."""
+        return None
+
     def _pack(self, bits: int, shape: tuple[int, int], tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         return QuantizedWeight(self.name, bits, tuple(shape), self.params, tensors)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QRecoverError
-from ..packing import pack, packed_nbytes, unpack
+from ..packing import pack, packed_nbytes, take_rows, unpack
 from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
 
 
@@ -110,6 +110,24 @@ class Blockwise(Quantizer):
         w = weight.detach().float().reshape(out_f, in_f // b, b)
         codes = torch.round(w / s) + self._zero(qw, torch.float32, w.device)
         return codes.clamp_(0, 2**qw.bits - 1).long().reshape(out_f, in_f)
+
+    def rows(self, qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """:meth:`Quantizer.rows`: the rows' codes, scales and zero points taken, then :meth:`decode` on them (the same
+        operations on the same numbers as :meth:`dequantize`). None where a row's codes do not fill whole bytes."""
+        in_f = qw.shape[1]
+        n_blocks = in_f // self._block(qw.shape)
+        codes = take_rows(qw.tensors["qdata"], qw.bits, in_f, ids)
+        if codes is None:
+            return None
+        tensors = {"qdata": codes, "scale": qw.tensors["scale"].reshape(qw.shape[0], n_blocks).index_select(0, ids)}
+        if "zero_point" in qw.tensors:  # whole bytes per row, or (a row's zero points end inside a byte) all unpacked
+            zp = qw.tensors["zero_point"]
+            tensors["zero_point"] = take_rows(zp, qw.bits, n_blocks, ids)
+            if tensors["zero_point"] is None:
+                rows_zp = unpack(zp, qw.bits, qw.shape[0] * n_blocks).view(qw.shape[0], n_blocks).index_select(0, ids)
+                tensors["zero_point"] = pack(rows_zp, qw.bits)
+        sub = QuantizedWeight(qw.scheme, qw.bits, (ids.numel(), in_f), qw.params, tensors)
+        return self.decode(sub, unpack(codes, qw.bits, sub.numel), dtype)
 
     def _zero(self, qw: QuantizedWeight, dtype: torch.dtype, device) -> torch.Tensor:
         """The zero point of each block, ``(O, I/B, 1)`` (asymmetric: stored), or ``2**(bits-1)`` (symmetric)."""

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import QRecoverError
-from ..packing import pack, packed_nbytes, unpack
+from ..packing import pack, packed_nbytes, take_rows, unpack
 from .base import QuantizedWeight, Quantizer, doc_field, register_quantizer
 from .feedback import TableRule, error_feedback, fused_steps, inverse_hessian_factor, numpy_steps
 
@@ -364,6 +364,20 @@ class Palettize(Quantizer):
 
     def dequantize(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(qw, unpack(qw.tensors["qdata"], qw.bits, qw.numel), dtype)
+
+    def rows(self, qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """:meth:`Quantizer.rows`: each row's codes and its group's tables, looked up as :meth:`decode` does. None where
+        a row's codes do not fill whole bytes."""
+        out_f, in_f = qw.shape
+        g, c = self._geometry(qw.shape)
+        codes = take_rows(qw.tensors["qdata"], qw.bits, in_f, ids)
+        if codes is None:
+            return None
+        k = 2**qw.bits
+        lut = qw.tensors["lut"].reshape(out_f // g, (in_f // c) * k).index_select(0, ids // g).to(dtype)  # (n, I/C * K)
+        codes = unpack(codes, qw.bits, ids.numel() * in_f).reshape(ids.numel(), in_f // c, c).long()
+        base = torch.arange(in_f // c, device=codes.device).view(1, -1, 1) * k
+        return lut.gather(1, (codes + base).reshape(ids.numel(), in_f))
 
     def decode(self, qw: QuantizedWeight, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out_f, in_f = qw.shape
