@@ -164,6 +164,23 @@ class _Packed(nn.Module):
                 self.__dict__["_dense_other"] = dense  # rather than each dtype evicting the other at every step
         return dense
 
+    def linear_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense weight that ``F.linear(x, w)`` reads: ``dequantize(x.dtype)``, except under autocast to a lower
+        precision with ``x`` in fp32 (bf16 autocast over an fp32 residual stream: the CPU's recovery), where autocast
+        would cast the fp32 weight to its dtype at every call. With the cache on, that cast is made once and kept in
+        place of the fp32 weight (half its bytes): the same values as autocast's cast, so the same outputs."""
+        kind = x.device.type
+        low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if x.dtype != torch.float32 or low not in (torch.float16, torch.bfloat16) or self._masters or not self.cache:
+            return self.dequantize(x.dtype)
+        found = self.__dict__.get("_dense_autocast")
+        if found is None or found.dtype != low:
+            with torch.no_grad():
+                found = self.dequantize(torch.float32).to(low)
+            self._dense = None  # the fp32 weight is not kept beside its cast (a later fp32 use dequantizes again)
+            self.__dict__["_dense_autocast"] = found
+        return found
+
     @property
     def _dense(self) -> torch.Tensor | None:
         """The dense cache (:meth:`dequantize`); setting it (None: dropped) drops the second dtype's too."""
@@ -172,6 +189,7 @@ class _Packed(nn.Module):
     @_dense.setter
     def _dense(self, value: torch.Tensor | None) -> None:
         self.__dict__["_dense_main"], self.__dict__["_dense_other"] = value, None
+        self.__dict__.pop("_dense_autocast", None)
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, scheme={self.scheme}, bits={self.bits}, params={self.params}"
@@ -199,7 +217,7 @@ class QuantLinear(_Packed, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.gpu_device(x.device) and not self._masters:  # fused dequant-matmul kernel, a dense copy, or the reference path (kernels.select)
             return kernels.linear(self, x)
-        return F.linear(x, self.dequantize(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.linear_weight(x), None if self.bias is None else self.bias.to(x.dtype))
 
     def set_packed(self, qw: QuantizedWeight) -> None:
         """Replace the packed weight by ``qw`` (same shape ``(out_features, in_features)``; scheme and bits may

@@ -124,3 +124,64 @@ def test_embedding_without_row_access_falls_back_to_the_whole_table():
     emb = QuantEmbedding(qw, cache=True)
     ids = torch.tensor([0, 15, 4])
     assert torch.equal(emb(ids), emb._quantizer.dequantize(emb.packed)[ids]) and emb._dense is not None
+
+
+# --- the weight a linear reads under autocast ------------------------------------------------------------------
+
+def _linear(cache: bool = True):
+    from qrecover.qlinear import QuantLinear
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    return QuantLinear(get_quantizer("blockwise", block_size=32).quantize(w, 4, {}), bias=torch.randn(48), cache=cache)
+
+
+def _weight_casts(fn) -> int:
+    """How many ``_to_copy`` of a weight-sized (48 x 64) tensor ``fn`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ == "_to_copy" and tuple(out.shape) == (48, 64):
+                Casts.n += 1
+            return out
+
+    with Casts():
+        fn()
+    return Casts.n
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_autocast_weight_is_cast_once_and_kept_in_place_of_fp32(low):
+    """bf16 autocast over fp32 activations (the CPU's recovery): the same outputs as autocast casting the fp32 weight
+    at every call, bit for bit, with one cast in all; the cast is kept instead of the fp32 weight."""
+    layer = _linear()
+    x = torch.randn(5, 64, requires_grad=True)
+    w32 = layer._quantizer.dequantize(layer.packed, torch.float32)
+    with torch.autocast("cpu", dtype=low):
+        want = torch.nn.functional.linear(x, w32, layer.bias)
+        assert _weight_casts(lambda: layer(x)) == 1
+        for _ in range(2):
+            assert _weight_casts(lambda: torch.equal(layer(x), want)) == 0
+            out = layer(x)
+            assert out.dtype == low and torch.equal(out, want)
+    gx, = torch.autograd.grad(out.float().sum(), x)
+    with torch.autocast("cpu", dtype=low):
+        gx_want, = torch.autograd.grad(torch.nn.functional.linear(x, w32, layer.bias).float().sum(), x)
+    assert torch.equal(gx, gx_want)
+    assert layer._dense is None and layer.__dict__["_dense_autocast"].dtype == low
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w32, layer.bias))  # outside autocast: fp32 again
+    layer.to(torch.float32)  # a move or cast drops it
+    assert "_dense_autocast" not in layer.__dict__
+
+
+def test_autocast_weight_needs_the_cache_and_fp32_inputs():
+    layer = _linear(cache=False)
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _weight_casts(lambda: (layer(x), layer(x))) == 2  # no cache: autocast casts at each call, as before
+        layer = _linear()
+        layer(x.bfloat16())  # bf16 inputs: the bf16 dequantization itself, as before
+        assert "_dense_autocast" not in layer.__dict__ and layer._dense.dtype == torch.bfloat16

@@ -13,4 +13,5 @@ import torch.nn.functional as F
 
 def linear(layer, x: torch.Tensor) -> torch.Tensor:
     """``x (..., I) -> (..., O)``: ``F.linear(x, layer.dequantize(x.dtype), bias)`` for a ``QuantLinear`` ``layer``."""
-    return F.linear(x, layer.dequantize(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+    weight = layer.linear_weight(x) if hasattr(layer, "linear_weight") else layer.dequantize(x.dtype)
+    return F.linear(x, weight, None if layer.bias is None else layer.bias.to(x.dtype))
