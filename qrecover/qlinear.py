@@ -152,16 +152,12 @@ class _Packed(nn.Module):
                 return self._quantizer.dequantize(qw, dtype)
             w = self._master_value("qdata")  # straight through: forward the decoded nearest codes, backward to w
             return self._quantizer.decode(qw, self._quantizer.encode(qw, w), dtype) + (w - w.detach()).to(dtype)
-        for cached in (self._dense, self.__dict__.get("_dense_other")):
-            if cached is not None and cached.dtype == dtype:
-                return cached
+        if self._dense is not None and self._dense.dtype == dtype:
+            return self._dense
         with torch.no_grad():
             dense = self._quantizer.dequantize(self.packed, dtype)
         if self.cache:
-            if self._dense is None:
-                self._dense = dense
-            else:  # a second dtype (a tied table: fp32 lookups, bf16 head while training): kept beside the first
-                self.__dict__["_dense_other"] = dense  # rather than each dtype evicting the other at every step
+            self._dense = dense
         return dense
 
     def linear_weight(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,12 +179,12 @@ class _Packed(nn.Module):
 
     @property
     def _dense(self) -> torch.Tensor | None:
-        """The dense cache (:meth:`dequantize`); setting it (None: dropped) drops the second dtype's too."""
+        """The dense cache (:meth:`dequantize`); setting it (None: dropped) drops :meth:`linear_weight`'s cast too."""
         return self.__dict__.get("_dense_main")
 
     @_dense.setter
     def _dense(self, value: torch.Tensor | None) -> None:
-        self.__dict__["_dense_main"], self.__dict__["_dense_other"] = value, None
+        self.__dict__["_dense_main"] = value
         self.__dict__.pop("_dense_autocast", None)
 
     def extra_repr(self) -> str:
@@ -217,7 +213,7 @@ class QuantLinear(_Packed, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.gpu_device(x.device) and not self._masters:  # fused dequant-matmul kernel, a dense copy, or the reference path (kernels.select)
             return kernels.linear(self, x)
-        return F.linear(x, self.linear_weight(x), None if self.bias is None else self.bias.to(x.dtype))
+        return kernels.reference.linear(self, x)
 
     def set_packed(self, qw: QuantizedWeight) -> None:
         """Replace the packed weight by ``qw`` (same shape ``(out_features, in_features)``; scheme and bits may

@@ -2,9 +2,8 @@
 that decode only their rows (:meth:`qrecover.schemes.base.Quantizer.rows`).
 
 A tied packed table is read in two dtypes while training with a bf16 base on a GPU: its lookups in the compute
-dtype (fp32) and the output head in bf16. Each dtype must be dequantized once and then served from the cache; before,
-each evicted the other, so the whole table was dequantized twice at every step. Dropping the cache (a move, a cast,
-new packed tensors) drops both dtypes.
+dtype (fp32) and the output head in bf16. Before, each evicted the other from the one-dtype cache, so the whole table
+was dequantized twice at every step; now the lookups decode their rows and the head's bf16 table is made once.
 
 A lookup reads a few rows of a large table: it decodes those rows (the same values as the whole dequantization's,
 every scheme and width), and keeps no dense copy of the table unless one is kept already in its dtype.
@@ -36,31 +35,29 @@ def _counted(layer, monkeypatch) -> list:
     return calls
 
 
-def test_two_dtypes_are_each_dequantized_once(monkeypatch):
+def test_a_tied_table_training_in_bf16_is_dequantized_once(monkeypatch):
+    """GPU training with the bf16 base: the lookups (compute dtype fp32) decode their rows, so the only dense copy is
+    the head's bf16 one, made once; before, the lookups' fp32 table and the head's bf16 one evicted each other."""
+    from qrecover.qlinear import QuantLMHead
+
     layer = _table()
-    want = {dt: layer._quantizer.dequantize(layer.packed, dt) for dt in (torch.float32, torch.bfloat16)}
+    head = QuantLMHead(layer)
+    layer.train()
+    ids, h = torch.tensor([[1, 5, 5, 63]]), torch.randn(4, 32).bfloat16()
     calls = _counted(layer, monkeypatch)
-    for _ in range(3):  # lookups in fp32, the head in bf16, step after step
-        assert torch.equal(layer.dequantize(), want[torch.float32])
-        assert torch.equal(layer.dequantize(torch.bfloat16), want[torch.bfloat16])
-    assert calls == [torch.float32, torch.bfloat16]
-    # a third dtype takes the second's place; the first stays
-    assert layer.dequantize(torch.float16) is layer.dequantize(torch.float16)
-    assert layer.dequantize() is layer.dequantize() and len(calls) == 3
-    layer.dequantize(torch.bfloat16)
-    assert calls == [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
+    for _ in range(3):  # step after step: lookups, then the head
+        assert layer(ids).dtype == torch.float32
+        assert head(h).dtype == torch.bfloat16
+    assert calls == [torch.bfloat16] and layer._dense.dtype == torch.bfloat16
 
 
-def test_dropping_the_cache_drops_both_dtypes(monkeypatch):
-    layer = _table()
-    layer.dequantize(), layer.dequantize(torch.bfloat16)
-    layer.to(torch.float64)  # a cast: the compute dtype changes, every cached copy goes
-    calls = _counted(layer, monkeypatch)
-    assert layer.dequantize().dtype == torch.float64 and layer.dequantize(torch.bfloat16).dtype == torch.bfloat16
-    assert calls == [torch.float64, torch.bfloat16]
+def test_dropping_the_cache_drops_the_autocast_cast_too():
+    layer = _linear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(2, 64))
+    assert "_dense_autocast" in layer.__dict__
     layer._dense = None
-    layer.dequantize(torch.bfloat16)
-    assert calls == [torch.float64, torch.bfloat16, torch.bfloat16]
+    assert "_dense_autocast" not in layer.__dict__
 
 
 def test_no_cache_keeps_nothing(monkeypatch):
