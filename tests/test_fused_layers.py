@@ -4,6 +4,7 @@ outputs and gradients with fewer elementwise passes; Liger's norms and MLPs only
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import pytest
@@ -95,7 +96,13 @@ def test_liger_layers_pick_llama_norms_and_silu_mlps(monkeypatch):
     ids = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    calls = {"rms": 0, "silu_mul": 0}
+    calls = {"rms": 0, "silu_mul": 0, "rope": 0}
+
+    def rope(q, k, cos, sin):
+        calls["rope"] += 1
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        return q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:, None] + rotate_half(k) * sin[:, None]
 
     def rms(x, w, eps, offset, mode, inplace):
         calls["rms"] += 1
@@ -110,18 +117,59 @@ def test_liger_layers_pick_llama_norms_and_silu_mlps(monkeypatch):
                         types.SimpleNamespace(LigerRMSNormFunction=types.SimpleNamespace(apply=rms)))
     monkeypatch.setitem(sys.modules, "liger_kernel.ops.swiglu",
                         types.SimpleNamespace(LigerSiLUMulFunction=types.SimpleNamespace(apply=silu_mul)))
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.rope",
+                        types.SimpleNamespace(LigerRopeFunction=types.SimpleNamespace(apply=rope)))
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
     with liger_layers(model, None) as n, torch.no_grad():
         assert n == 0  # on the CPU: nothing chosen
     with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the modules' device check only
+        m.setattr(fl, "LIGER_DEVICES", ("cuda", "cpu"))  # the device checks only
         stack = contextlib.ExitStack()
         n = stack.enter_context(liger_layers(model, None))
-    with stack, torch.no_grad():
-        assert n == 2 * 3 + 1  # two norms and an MLP per layer, the final norm
-        out = model(input_ids=ids).logits
-    assert calls == {"rms": 2 * 2 + 1, "silu_mul": 2}  # the patched forwards ran, once per module
+        with stack, torch.no_grad():
+            assert n == 2 * 3 + 1 + 1  # two norms and an MLP per layer, the final norm; Llama's rotary embedding
+            out = model(input_ids=ids).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # q, k in bf16, cos and sin in fp32: torch's own
+                model(input_ids=ids)
+    # the patched functions ran once per module and forward; the rotary embedding's only where all four share a dtype
+    assert calls == {"rms": 2 * (2 * 2 + 1), "silu_mul": 2 * 2, "rope": 2}
     assert _close(out.double(), ref.double()) < 1e-6
     assert all("forward" not in m.__dict__ for m in model.modules())
+    assert modeling_llama.apply_rotary_pos_emb is original  # put back
+
+
+@pytest.mark.skipif(not liger_available(), reason="needs liger-kernel (qrecover[train-gpu])")
+def test_liger_kernels_give_the_layers_loss_and_gradients_in_the_interpreter(monkeypatch):
+    """Liger's own Triton kernel for the rotary embedding (forward and backward, q and k rotated in place) runs on the
+    CPU under TRITON_INTERPRET=1 in place of transformers' function, with LoRA training: the same loss and adapter
+    gradients, and the function put back after. (Liger's RMSNorm and SwiGLU kernels do not run in triton's
+    interpreter: they call ``.to`` on scalar arguments, which it passes as Python floats; the test above checks their
+    wiring, test_liger_layers_match_on_cuda the kernels.)"""
+    from transformers.models.llama import modeling_llama
+
+    from qrecover.recovery import fused_layers as fl
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs Liger's kernels in triton's interpreter")
+    model, ids = _model(), torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss, grads, ops = _step(model, ids)
+    monkeypatch.setattr(fl, "LIGER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fl, "LLAMA_NORMS", ())
+    monkeypatch.setattr(fl, "SILU", ())
+    original = modeling_llama.apply_rotary_pos_emb
+    with liger_layers(model) as n, fused_lora(model):
+        assert n == 1  # Llama's rotary embedding
+        assert modeling_llama.apply_rotary_pos_emb is not original
+        loss_l, grads_l, ops_l = _step(model, ids)
+    assert modeling_llama.apply_rotary_pos_emb is original
+    assert abs(float(loss_l - loss)) < 1e-5 * abs(float(loss))
+    for name, g in grads.items():
+        assert _close(grads_l[name], g) < 1e-5, name
+    # rotate_half's cat of q and of k per layer, its negations and their backward: in Liger's kernel
+    assert ops.ops["cat"] - ops_l.ops["cat"] == 2 * 2 and ops.ops["neg"] > 0 and ops.ops["slice_backward"] > 0
+    assert ops_l.ops["neg"] == 0 and ops_l.ops["slice_backward"] == 0
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and liger_available()), reason="needs CUDA and liger-kernel")
@@ -131,6 +179,6 @@ def test_liger_layers_match_on_cuda():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = model(input_ids=ids, labels=ids).loss
         with liger_layers(model) as n:
-            assert n == 2 * 3 + 1  # two norms and an MLP per layer, the final norm
+            assert n == 2 * 3 + 1 + 1  # two norms and an MLP per layer, the final norm; the rotary embedding
             out = model(input_ids=ids, labels=ids).loss
     assert abs(float(out - ref)) < 2e-2 * abs(float(ref))

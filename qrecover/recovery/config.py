@@ -69,8 +69,9 @@ class RecoverConfig(DictConfig):
                                      "kind, compiled in the first steps: the warm-up); for GPUs, off by default (on a CPU the "
                                      "compilation costs more than it saves on short runs)")
     fused_layers: bool = doc_field(True, "fewer passes over the activations while training: LoRA's scale and add inside one "
-                                   "GEMM, and on CUDA with liger-kernel installed (qrecover[train-gpu]) its fused RMSNorm and "
-                                   "SwiGLU (not with --compile-layers, which fuses them itself); the same numbers",
+                                   "GEMM, and on CUDA with liger-kernel installed (qrecover[train-gpu]) its fused RMSNorm, "
+                                   "SwiGLU and rotary embedding (not with --compile-layers, which fuses them itself); the same "
+                                   "numbers",
                                    flag="--no-fused-layers", negate=True)
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)",
                                         flag="--no-cache-dequantized", negate=True)

@@ -1,5 +1,5 @@
 """Fewer passes over the activations in a training step: LoRA's scale and add folded into one GEMM, and Liger
-Kernel's fused RMSNorm and SwiGLU on CUDA.
+Kernel's fused RMSNorm, SwiGLU and rotary embedding on CUDA.
 
 An H100 profile of a recovery step (Llama-3.2-1B geometry, rank 16 on every projection, KD, 4 x 2048 tokens,
 bf16 base; ``benchmarks/train_speed.py --profile``, 2026-11-27) spent 38% of its GPU time in matmuls and most of
@@ -14,6 +14,12 @@ the rest in elementwise kernels over activation-sized tensors: 855 multiplies (4
   ``LigerSiLUMulFunction`` (well-kept Triton kernels with their own backward) replace them on CUDA where
   liger-kernel is installed (``pip install qrecover[train-gpu]``), on module instances only and only while training
   (Liger's own ``apply_liger_kernel_to_*`` patches transformers' classes for the whole process).
+- The rotary embedding of the queries and keys (transformers' ``apply_rotary_pos_emb``: ``rotate_half``'s slices,
+  negation and ``cat``, two multiplies and an add, for q and for k, and about as many again in backward: some 20
+  q-sized passes per decoder layer of the student and 10 of the teacher). Liger's ``LigerRopeFunction`` rotates both
+  in place in one kernel, forward and backward. It is called from a module-level function of the modeling file, so
+  that function is replaced in the modeling modules of the models' attention classes while training and put back
+  after; the replacement takes Liger's kernel only for tensors on CUDA of one dtype, and calls the original otherwise.
 
 Both keep the numbers (the same operations, fused; tests compare outputs and gradients with the unfused layers).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import types
 from collections.abc import Iterator
 
@@ -79,9 +86,14 @@ def fused_lora(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     return _forwards([(m, _lora_forward) for m in model.modules() if _plain_lora(m)])
 
 
+#: device types on which Liger's kernels replace the layers (tests add "cpu" under TRITON_INTERPRET=1)
+LIGER_DEVICES = ("cuda",)
+
+
 def liger_available() -> bool:
     try:
         import liger_kernel.ops.rms_norm  # noqa: F401
+        import liger_kernel.ops.rope  # noqa: F401
         import liger_kernel.ops.swiglu  # noqa: F401
     except Exception:  # not installed, or no triton/GPU build to import with
         return False
@@ -110,17 +122,68 @@ def _swiglu_mlp(m: nn.Module) -> bool:
             and type(getattr(m, "act_fn", None)).__name__ in SILU and type(m).__name__.endswith("MLP"))
 
 
-def liger_layers(*models: nn.Module | None) -> contextlib.AbstractContextManager[int]:
-    """While active, Llama-style RMSNorms and SiLU-gated MLPs of ``models`` on CUDA run Liger Kernel's fused
-    kernels (forward and backward); yields how many modules; 0 and nothing changed without liger-kernel or CUDA."""
-    mods = []
+#: modeling modules (``transformers.models.<name>.modeling_<name>``) whose ``apply_rotary_pos_emb(q, k, cos, sin)``
+#: is Llama's: the whole head rotated by ``rotate_half``, cos and sin duplicated over its two halves (Liger's kernel)
+LLAMA_ROPE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+def _rope_module(m: nn.Module):
+    """The modeling module whose ``apply_rotary_pos_emb`` the attention module ``m`` calls, if it is Llama's."""
+    name = type(m).__module__
+    module = sys.modules.get(name)
+    if not type(m).__name__.endswith("Attention") or module is None or not hasattr(module, "apply_rotary_pos_emb"):
+        return None
+    return module if any(name.endswith(f".modeling_{n}") for n in LLAMA_ROPE) else None
+
+
+def _liger_rope(original):
+    """``apply_rotary_pos_emb`` through Liger's kernel where it computes the same thing (q, k, cos and sin of one dtype
+    on a :data:`LIGER_DEVICES` device, no other argument); ``original`` otherwise."""
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if (args or kwargs or q.device.type not in LIGER_DEVICES or q.ndim != 4 or k.ndim != 4
+                or not q.dtype == k.dtype == cos.dtype == sin.dtype):
+            return original(q, k, cos, sin, *args, **kwargs)
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        return LigerRopeFunction.apply(q, k, cos, sin)
+
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+@contextlib.contextmanager
+def _functions(modules: list) -> Iterator[int]:
+    """While active, each modeling module of ``modules`` calls :func:`_liger_rope` as its ``apply_rotary_pos_emb``;
+    put back after. Yields how many."""
+    for module in modules:
+        module.apply_rotary_pos_emb = _liger_rope(module.apply_rotary_pos_emb)
+    try:
+        yield len(modules)
+    finally:
+        for module in modules:
+            module.apply_rotary_pos_emb = module.apply_rotary_pos_emb.original
+
+
+def _on_liger_device(m: nn.Module) -> bool:
+    return any(t.device.type in LIGER_DEVICES for t in itertools.chain(m.parameters(), m.buffers()))  # packed: buffers
+
+
+@contextlib.contextmanager
+def liger_layers(*models: nn.Module | None) -> Iterator[int]:
+    """While active, Llama-style RMSNorms, SiLU-gated MLPs and rotary embeddings of ``models`` on CUDA run Liger
+    Kernel's fused kernels (forward and backward); yields how many modules and modeling functions; 0 and nothing
+    changed without liger-kernel or CUDA."""
+    mods, ropes = [], []
     if liger_available():
         for model in (m for m in models if m is not None):
             for m in model.modules():
-                if not any(t.is_cuda for t in itertools.chain(m.parameters(), m.buffers())):  # packed: buffers
+                if not _on_liger_device(m):
                     continue
                 if type(m).__name__ in LLAMA_NORMS and hasattr(m, "variance_epsilon"):
                     mods.append((m, _norm_forward))
                 elif _swiglu_mlp(m):
                     mods.append((m, _mlp_forward))
-    return _forwards(mods)
+                elif (module := _rope_module(m)) is not None and module not in ropes:
+                    ropes.append(module)
+    with _forwards(mods) as n, _functions(ropes) as n_rope:
+        yield n + n_rope

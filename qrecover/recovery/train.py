@@ -382,10 +382,10 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
             fill_dense_caches(objective._unwrap(model), dtype)
         if teacher is not None and callback is None:
             scope.enter_context(causal_sdpa(objective._unwrap(teacher), cfg.seq_len))
-        # LoRA's scale and add in one GEMM; Liger's fused RMSNorm and SwiGLU on CUDA (fused_layers.py)
+        # LoRA's scale and add in one GEMM; Liger's fused RMSNorm, SwiGLU and rotary embedding on CUDA (fused_layers.py)
         fused = {"lora_addmm": scope.enter_context(fused_lora(objective._unwrap(model))) if cfg.fused_layers else 0,
                  "liger": scope.enter_context(liger_layers(objective._unwrap(model), objective._unwrap(teacher)))
-                 if cfg.fused_layers and not cfg.compile_layers and accelerator.device.type == "cuda" else 0}
+                 if cfg.fused_layers and not cfg.compile_layers else 0}  # 0 off CUDA (liger_layers checks the devices)
         step, tokens, train_seconds, warmup = _loop(ctx, stream, loader, run_dir, history, step, tokens, steps,
                                                     callback, show_progress, description)
     model.eval()
