@@ -9,6 +9,7 @@ random weights, a byte-level tokenizer and a synthetic text are generated):
     python benchmarks/train_speed.py --batches 1,2,4,8   # micro-batch sizes to try (seq 2048)
     python benchmarks/train_speed.py --micro-batch auto  # the largest micro-batch that fits (CUDA; 1 on a CPU)
     python benchmarks/train_speed.py --budget-s 240 --loss-chunk 1024,4096   # the loss's chunk size, one run each
+    python benchmarks/train_speed.py --budget-s 240 --teacher-graph on,off   # the teacher's CUDA graph, with and without
 
 On this CPU, end to end on a tiny config in seconds (what tests/test_train_speed.py runs; timings are the
 plumbing's, not a GPU's):
@@ -192,12 +193,12 @@ class StepCounts:
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
                compile_layers: bool = False, checkpointing: bool = False, profile: bool = False,
-               precision: str = "auto", base_dtype: str = "auto", loss_chunk: int | None = None) -> dict:
+               precision: str = "auto", base_dtype: str = "auto", loss_chunk: int | None = None, teacher_graph: bool = True) -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     chunk = {} if loss_chunk is None else {"loss_chunk": loss_chunk}
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
                         mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, base_dtype=base_dtype, log_every=log_every,
-                        compile_layers=compile_layers, gradient_checkpointing=checkpointing, **chunk)
+                        compile_layers=compile_layers, gradient_checkpointing=checkpointing, teacher_graph=teacher_graph, **chunk)
     t0 = time.perf_counter()
     try:
         with StepCounts(profile) as counts:
@@ -207,12 +208,13 @@ def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps
                   f"steady-state tokens/s exclude the profiler's overhead):\n{counts.profile_table}", flush=True)
     except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
-        return {"batch": batch, "loss_chunk": cfg.loss_chunk, "oom": str(e).splitlines()[0][:200]}
+        return {"batch": batch, "loss_chunk": cfg.loss_chunk, "teacher_graph_on": teacher_graph, "oom": str(e).splitlines()[0][:200]}
     t = meta["training"]
     warm = t.get("warmup")
     steady_tokens = t["tokens"] - warm["tokens"] if warm else t["tokens"]
     steady_s = t["seconds"] - warm["seconds"] if warm else t["seconds"]
-    return {"batch": batch, "loss_chunk": cfg.loss_chunk, "tokens": t["tokens"], "steps": t["steps"], "tok_per_s": steady_tokens / steady_s,
+    return {"batch": batch, "loss_chunk": cfg.loss_chunk, "teacher_graph_on": teacher_graph, "teacher_graph": t.get("teacher_graph"),
+            "tokens": t["tokens"], "steps": t["steps"], "tok_per_s": steady_tokens / steady_s,
             "tok_per_s_incl_warmup": t["tok_per_s"], "warmup_s": warm["seconds"] if warm else None,
             "warmup_steps": warm["steps"] if warm else 0, "train_s": t["seconds"], "run_s": time.perf_counter() - t0,
             "peak_memory_gb": t["peak_memory_bytes"] / 1e9, "precision": t.get("mixed_precision"),
@@ -246,9 +248,11 @@ def print_table(result: dict) -> None:
           f"size; {fl['total'] / 1e9:.2f} GFLOP per token ({fl['params_matmul'] / 1e9:.3f} B matmul parameters); build "
           f"{result['build_s']:.1f} s, compress {result['compress_s']:.1f} s, total {result['total_s']:.1f} s\n")
     chunks = {r.get("loss_chunk") for r in result["rows"]}
+    graphs = {r.get("teacher_graph_on") for r in result["rows"]}
 
-    def label(r: dict) -> str:  # the loss chunk named where the rows differ in it
-        return f"{r['batch']} x {seq_len}" + (f", loss chunk {r['loss_chunk']}" if len(chunks) > 1 else "")
+    def label(r: dict) -> str:  # the loss chunk and the teacher graph named where the rows differ in them
+        return (f"{r['batch']} x {seq_len}" + (f", loss chunk {r['loss_chunk']}" if len(chunks) > 1 else "")
+                + (f", teacher graph {'on' if r.get('teacher_graph_on') else 'off'}" if len(graphs) > 1 else ""))
 
     print("| micro-batch | steady tokens/s | TFLOP/s | MFU | warm-up (steps, s) | peak memory (GB) | host syncs / step "
           "| dispatches / step | copies / step (MB) | SVD init (s) |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -264,6 +268,9 @@ def print_table(result: dict) -> None:
         print("\n| tokens, GPUs | projected wall time (h) |\n|---|---|")
         for k, h in result["projection_hours"].items():
             print(f"| {k} | {h:,.1f} |")
+    replays = [f"{label(r)}: {r['teacher_graph']}" for r in result["rows"] if r.get("teacher_graph")]
+    if replays:
+        print("\nteacher's CUDA graph (replays; failed = the capture's error, eager after):", "; ".join(replays))
     if any(r.get("sync_kinds") for r in result["rows"]):
         print("\nhost syncs by kind:", "; ".join(f"{label(r)}: {r['sync_kinds']}" for r in result["rows"] if r.get("sync_kinds")))
     if result["tiny"]:
@@ -282,6 +289,9 @@ def parse() -> argparse.Namespace:
                     help="positions per chunk of the loss (RecoverConfig.loss_chunk; default its 1024), or sizes (1024,4096: one "
                     "run each per micro-batch): a larger chunk gives the head's gradient GEMM (chunk x hidden outputs, "
                     "reduced over the vocabulary) more output tiles for the SMs, for more transient memory")
+    ap.add_argument("--teacher-graph", default="on",
+                    help="the teacher's forward as a CUDA graph (RecoverConfig.teacher_graph): on, off, or on,off (one run each "
+                    "per micro-batch, named in the table)")
     ap.add_argument("--steps", type=int, default=None,
                     help="optimizer steps per batch size (the first 2 are the warm-up; default 12, 4 with --tiny)")
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
@@ -305,6 +315,8 @@ def parse() -> argparse.Namespace:
         ap.error(f"--steps {args.steps} must be >= 1, --seq-len {args.seq_len} >= 8, --budget-s {args.budget_s} > 0")
     if args.micro_batch not in (None, "auto") and not all(b.isdigit() and int(b) > 0 for b in args.micro_batch.split(",")):
         ap.error(f"--micro-batch {args.micro_batch!r} must be 'auto' or positive integers, e.g. --micro-batch 4 or 4,8")
+    if not set(args.teacher_graph.split(",")) <= {"on", "off"}:
+        ap.error(f"--teacher-graph {args.teacher_graph!r} must be on, off, or on,off")
     if args.loss_chunk is not None and not all(c.isdigit() for c in args.loss_chunk.split(",")):
         ap.error(f"--loss-chunk {args.loss_chunk!r} must be integers >= 0 (0 = unchunked), e.g. --loss-chunk 1024,4096")
     return args
@@ -331,9 +343,10 @@ def main() -> None:
     fl = flops_per_token(config, seq_len)
     rows = []
     chunks = [None] if args.loss_chunk is None else [int(c) for c in args.loss_chunk.split(",")]
-    for b, chunk in ((b, c) for b in batches for c in chunks):
+    graphs = [g == "on" for g in args.teacher_graph.split(",")]
+    for b, chunk, graph in ((b, c, g) for b in batches for c in chunks for g in graphs):
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype, chunk)
+                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype, chunk, graph)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops

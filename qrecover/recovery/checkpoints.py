@@ -111,7 +111,7 @@ def save_checkpoint(path: Path, state: dict[str, Any], keep: int = 2) -> None:
 # global batch into (processes, batch_size, grad_accum) included as long as its product is unchanged.
 EXECUTION_FIELDS = ("batch_size", "grad_accum", "checkpoint_every", "log_every", "compile_layers", "fused_layers", "gradient_checkpointing",
                     "cache_dequantized", "loss_chunk",
-                    "teacher_device", "shard_base")
+                    "teacher_device", "shard_base", "teacher_graph")
 
 
 def checkpoint_world(state: dict[str, Any]) -> int:

@@ -73,6 +73,10 @@ class RecoverConfig(DictConfig):
                                    "SwiGLU and rotary embedding (not with --compile-layers, which fuses them itself); the same "
                                    "numbers",
                                    flag="--no-fused-layers", negate=True)
+    teacher_graph: bool = doc_field(True, "on CUDA, replay the distillation teacher's forward as a CUDA graph (captured at its third "
+                                    "call per shape: no host time for it after; the same kernels, so the same numbers); "
+                                    "eager if the capture fails, with --hidden-weight and with --compile-layers",
+                                    flag="--no-teacher-graph", negate=True)
     cache_dequantized: bool = doc_field(True, "keep dequantized base weights in memory during training (faster, +4 bytes per weight)",
                                         flag="--no-cache-dequantized", negate=True)
     shard_base: bool = doc_field(False, "on several processes (torchrun, or accelerate launch without --use_fsdp): shard the "

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import QRecoverError
 from ..models import decoder_layers
+from .graphs import graphed
 
 #: positions of the model's own forward used to check the head and post-processing (see :func:`output_head`)
 CHECK_POSITIONS = 8
@@ -469,7 +470,8 @@ def _output_loss(model: nn.Module, teacher: nn.Module | None, ids: torch.Tensor,
     teacher_hidden = None
     if use_teacher:
         with torch.no_grad(), autocast():
-            teacher_hidden = hidden_states(teacher, ids.to(t_dev))
+            replay = graphed(_unwrap(teacher))  # a CUDA graph of this forward while the trainer keeps one (graphs.py)
+            teacher_hidden = replay(ids.to(t_dev)) if replay is not None else hidden_states(teacher, ids.to(t_dev))
     head = _unwrap(model).get_output_embeddings()
     # a tied packed head (QuantLMHead) reads its embedding's tensors, which train when the embedding is tuned
     head_trains = any(p.requires_grad for m in (head, getattr(head, "embedding", head)) for p in m.parameters())

@@ -57,6 +57,7 @@ from .checkpoints import (
 )
 from .config import RecoverConfig
 from .fused_layers import fused_lora, liger_layers
+from .graphs import teacher_graph
 from .parallel import (
     average_adapter_grads,
     check_distributed,
@@ -386,11 +387,16 @@ def train(model: nn.Module, cfg: RecoverConfig, loader: Any, run_dir: Path, teac
         fused = {"lora_addmm": scope.enter_context(fused_lora(objective._unwrap(model))) if cfg.fused_layers else 0,
                  "liger": scope.enter_context(liger_layers(objective._unwrap(model), objective._unwrap(teacher)))
                  if cfg.fused_layers and not cfg.compile_layers else 0}  # 0 off CUDA (liger_layers checks the devices)
+        # the teacher's forward as a CUDA graph on CUDA (graphs.py); hooks (--hidden-weight) and compiled layers stay eager
+        replay = scope.enter_context(teacher_graph(
+            objective._unwrap(teacher) if teacher is not None else None, objective.hidden_states,
+            enable=cfg.teacher_graph and cfg.objective != "ce" and cfg.hidden_weight == 0 and not cfg.compile_layers))
         step, tokens, train_seconds, warmup = _loop(ctx, stream, loader, run_dir, history, step, tokens, steps,
                                                     callback, show_progress, description)
     model.eval()
     return {"steps": step, "tokens": tokens, "final_loss": history[-1]["loss"] if history else None,
             "warmup": warmup if step - step0 > WARMUP_LOG_STEPS else None, "attention": attention, "fused_layers": fused,
+            "teacher_graph": None if replay is None else {"replays": replay.replays, "failed": replay.failed},
             "tok_per_s": (tokens - tokens0) / train_seconds if train_seconds > 0 else None,
             "seconds": train_seconds, "data_setup_seconds": setup_seconds,
             "peak_memory_bytes": peak_memory_bytes(), "history": history, "world_size": world,
