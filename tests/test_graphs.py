@@ -110,6 +110,43 @@ def test_nothing_is_graphed_off_cuda_and_the_registry_is_cleared():
         assert g is None and G.graphed(teacher) is None
 
 
+def test_the_trainer_replays_the_teacher_and_trains_as_eagerly(tiny_ckpt, text_mix, tmp_path, monkeypatch):
+    """Recovery with the teacher's forward captured and replayed (the stand-in graph reruns the captured forward on the
+    ids copied in) gives the eager run's losses: each micro-batch's loss reads its own teacher hidden states, though
+    every replay writes the same output tensor. With --hidden-weight (forward hooks) the teacher stays eager."""
+    import json
+
+    from qrecover.recovery.api import recover
+    from qrecover.recovery.config import RecoverConfig
+
+    cfg = dict(rank=4, tokens=32 * 2 * 2 * 5, seq_len=32, batch_size=2, grad_accum=2, objective="kd", init="zero",
+               loss_chunk=16, lr=1e-3, decontaminate=False, checkpoint_every=0, log_every=1, mix=str(text_mix))
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "train_log.jsonl").read_text().splitlines()]
+
+    eager = recover(tiny_ckpt, tmp_path / "eager", RecoverConfig(**cfg, teacher_graph=False), show_progress=False)
+    assert eager["training"]["teacher_graph"] is None
+    monkeypatch.setattr(G, "DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(G, "cuda", _fake_cuda())
+    real_capture = G.GraphedForward._capture
+
+    def capture(self, key, ids):
+        found = real_capture(self, key, ids)
+        if found is not None:
+            static_ids, out, graph = found
+            graph.rerun = lambda: out.copy_(self.fn(static_ids))
+        return found
+
+    monkeypatch.setattr(G.GraphedForward, "_capture", capture)
+    graphed = recover(tiny_ckpt, tmp_path / "graphed", RecoverConfig(**cfg), show_progress=False)
+    assert graphed["training"]["teacher_graph"] == {"replays": 5 * 2 - G.WARMUP_CALLS, "failed": None}
+    assert losses(tmp_path / "graphed") == losses(tmp_path / "eager")
+    hooks = recover(tiny_ckpt, tmp_path / "hooks", RecoverConfig(**{**cfg, "tokens": 32 * 2 * 2}, hidden_weight=0.1),
+                    show_progress=False)
+    assert hooks["training"]["teacher_graph"] is None
+
+
 def _tiny_llama(device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
