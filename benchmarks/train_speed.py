@@ -193,12 +193,14 @@ class StepCounts:
 
 def train_once(ckpt: Path, mix: Path, out: Path, batch: int, seq_len: int, steps: int, log_every: int,
                compile_layers: bool = False, checkpointing: bool = False, profile: bool = False,
-               precision: str = "auto", base_dtype: str = "auto", loss_chunk: int | None = None, teacher_graph: bool = True) -> dict:
+               precision: str = "auto", base_dtype: str = "auto", loss_chunk: int | None = None, teacher_graph: bool = True,
+               fused_layers: bool = True) -> dict:
     """One recovery run of ``steps`` optimizer steps of one ``batch x seq_len`` micro-batch; its speed record."""
     chunk = {} if loss_chunk is None else {"loss_chunk": loss_chunk}
     cfg = RecoverConfig(rank=16, objective="kd", tokens=batch * seq_len * steps, seq_len=seq_len, batch_size=batch,
                         mix=str(mix), decontaminate=False, checkpoint_every=0, precision=precision, base_dtype=base_dtype, log_every=log_every,
-                        compile_layers=compile_layers, gradient_checkpointing=checkpointing, teacher_graph=teacher_graph, **chunk)
+                        compile_layers=compile_layers, gradient_checkpointing=checkpointing, teacher_graph=teacher_graph,
+                        fused_layers=fused_layers, **chunk)
     t0 = time.perf_counter()
     try:
         with StepCounts(profile) as counts:
@@ -292,6 +294,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--teacher-graph", default="on",
                     help="the teacher's forward as a CUDA graph (RecoverConfig.teacher_graph): on, off, or on,off (one run each "
                     "per micro-batch, named in the table)")
+    ap.add_argument("--no-fused-layers", action="store_true",
+                    help="RecoverConfig.fused_layers off: no LoRA addmm, no Liger RMSNorm/SwiGLU/rotary embedding (to compare, or "
+                    "to measure around a fused kernel that fails on this GPU)")
     ap.add_argument("--steps", type=int, default=None,
                     help="optimizer steps per batch size (the first 2 are the warm-up; default 12, 4 with --tiny)")
     ap.add_argument("--log-every", type=int, default=5, help="steps between the trainer's loss reads")
@@ -346,7 +351,8 @@ def main() -> None:
     graphs = [g == "on" for g in args.teacher_graph.split(",")]
     for b, chunk, graph in ((b, c, g) for b in batches for c in chunks for g in graphs):
         r = train_once(d / "ckpt", d / "mix.toml", d / f"adapter-b{b}", b, seq_len, steps, args.log_every, args.compile_layers,
-                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype, chunk, graph)
+                       args.gradient_checkpointing, args.profile, args.precision, args.base_dtype, chunk, graph,
+                       not args.no_fused_layers)
         if "tok_per_s" in r:
             r["tflops"] = r["tok_per_s"] * fl["total"] / 1e12
             r["mfu"] = r["tflops"] / args.peak_tflops
