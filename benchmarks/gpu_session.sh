@@ -15,6 +15,9 @@
 # If a kernel variant faults on the GPU (an illegal address ends the process's CUDA context, so the tuner's check cannot
 # skip it), measure around it: QRECOVER_TUNE_OFF=pipe,serial (kinds: pipe, serial, asm, regs, h2, nibbles, dot) makes
 # the tuner leave those out; the failing test in the tests part names the variant.
+# If the training step's fused layers (Liger's RMSNorm, SwiGLU, rotary embedding) or the teacher's CUDA graph fail there
+# (tests/test_fused_layers.py, tests/test_graphs.py in the tests part), measure around them: TRAIN_ARGS="--no-fused-layers
+# --teacher-graph off" (a failed graph capture alone only warns: the run goes on eagerly and its JSON says why).
 # Each part has its own time limit so that the whole fits one 10-minute call; logs and JSON go to $OUT (or
 # benchmarks/out). Missing pure-Python packages travel as wheels in .whl/ (gguf; see the device README), made here with
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
