@@ -1,5 +1,6 @@
 """Fused layers while training (qrecover.recovery.fused_layers): LoRA's scale and add inside one GEMM gives PEFT's
-outputs and gradients with fewer elementwise passes; Liger's norms and MLPs only on CUDA with liger-kernel."""
+outputs and gradients with fewer elementwise passes; Liger's norms, MLPs and rotary embedding only on CUDA with
+liger-kernel (its rotary-embedding kernel also in triton's interpreter here)."""
 
 from __future__ import annotations
 
