@@ -73,7 +73,7 @@ class RecoverConfig(DictConfig):
                                    "SwiGLU and rotary embedding (not with --compile-layers, which fuses them itself); the same "
                                    "numbers",
                                    flag="--no-fused-layers", negate=True)
-    teacher_graph: bool = doc_field(True, "on CUDA, replay the distillation teacher's forward as a CUDA graph (captured at its third "
+    teacher_graph: bool = doc_field(True, "on CUDA, replay the distillation teacher's forward as a CUDA graph (captured at its second "
                                     "call per shape: no host time for it after; the same kernels, so the same numbers); "
                                     "eager if the capture fails, with --hidden-weight and with --compile-layers",
                                     flag="--no-teacher-graph", negate=True)

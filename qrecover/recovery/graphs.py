@@ -8,8 +8,8 @@ launch. The same kernels run on the same inputs, so the hidden states are those 
 
 How (torch's documented recipe; ``torch.cuda.graph``):
 
-- The first :data:`WARMUP_CALLS` calls per shape run eagerly (Triton's compilation, cuBLAS's workspaces and the
-  allocator settle there; they are the trainer's warm-up steps), then one more eager call on a side stream, then the
+- The first :data:`WARMUP_CALLS` call per shape runs eagerly (Triton's compilation, cuBLAS's workspaces and the
+  allocator settle there), then at the next, within the trainer's warm-up steps, one more eager call on a side stream, then the
   capture into the graph's own memory pool, with autocast's weight cache off (a cached cast would belong to the
   pool). Later calls copy their ids into the captured input and replay.
 - The returned hidden states live in the graph's pool and are overwritten by the next replay: the trainer uses them
@@ -31,7 +31,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-WARMUP_CALLS = 2  # eager calls per shape before the capture
+# eager calls per shape before the capture: 1, so that the capture (it synchronises and empties torch's allocator
+# cache) falls in the trainer's 2 warm-up steps, timed apart, and not in the steady state
+WARMUP_CALLS = 1
 MAX_SHAPES = 2
 DEVICE_TYPE = "cuda"  # inputs on this device type are captured (tests replace it and ``cuda`` with stand-ins)
 cuda = torch.cuda
