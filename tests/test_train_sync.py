@@ -77,8 +77,10 @@ def test_no_device_read_between_logging_steps(tiny_ckpt, text_mix, tmp_path, mon
     meta = recover(tiny_ckpt, tmp_path / "a", cfg, show_progress=False)
     assert len(per_step) == 7
     assert all(c.dispatches > 100 for c in per_step)  # the counter saw the step's work
-    # step 1 checks the output head once per model (a comparison of logits); every later step reads nothing
-    assert [c.syncs for c in per_step[1:]] == [0] * 6, [dict(c.sites) for c in per_step[1:]]
+    # step 1 checks the output head once per model (a comparison of logits); every later step reads nothing (on CUDA,
+    # step 2 also captures the teacher's forward as a CUDA graph, which synchronises once: graphs.py)
+    later = per_step[2:] if torch.cuda.is_available() else per_step[1:]
+    assert [c.syncs for c in later] == [0] * len(later), [dict(c.sites) for c in later]
     # the reads: the warm-up steps 1 and 2 apart, then every 3rd step and the last, each batch of losses at once
     assert [s for s, _ in reads] == [[1], [2], [3], [4, 5, 6], [7]]
     assert all(n >= 1 for _, n in reads)
