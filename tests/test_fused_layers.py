@@ -139,6 +139,12 @@ def test_liger_layers_pick_llama_norms_and_silu_mlps(monkeypatch):
     assert _close(out.double(), ref.double()) < 1e-6
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert modeling_llama.apply_rotary_pos_emb is original  # put back
+    with monkeypatch.context() as m:  # nested: the inner context does not wrap the outer one's function again
+        m.setattr(fl, "LIGER_DEVICES", ("cuda", "cpu"))
+        with liger_layers(model) as outer, liger_layers(model) as inner:
+            assert outer == 2 * 3 + 1 + 1 and inner == 2 * 3 + 1  # the modules again, not the modeling function
+            assert modeling_llama.apply_rotary_pos_emb.original is original
+    assert modeling_llama.apply_rotary_pos_emb is original
 
 
 @pytest.mark.skipif(not liger_available(), reason="needs liger-kernel (qrecover[train-gpu])")

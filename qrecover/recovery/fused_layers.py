@@ -27,6 +27,7 @@ Both keep the numbers (the same operations, fused; tests compare outputs and gra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import sys
 import types
@@ -125,6 +126,7 @@ def _swiglu_mlp(m: nn.Module) -> bool:
 #: modeling modules (``transformers.models.<name>.modeling_<name>``) whose ``apply_rotary_pos_emb(q, k, cos, sin)``
 #: is Llama's: the whole head rotated by ``rotate_half``, cos and sin duplicated over its two halves (Liger's kernel)
 LLAMA_ROPE = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+ROPE_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]
 
 
 def _rope_module(m: nn.Module):
@@ -133,7 +135,10 @@ def _rope_module(m: nn.Module):
     module = sys.modules.get(name)
     if not type(m).__name__.endswith("Attention") or module is None or not hasattr(module, "apply_rotary_pos_emb"):
         return None
-    return module if any(name.endswith(f".modeling_{n}") for n in LLAMA_ROPE) else None
+    if not any(name.endswith(f".modeling_{n}") for n in LLAMA_ROPE):
+        return None
+    # transformers' signature (not an already replaced function, nor one a later version changed)
+    return module if list(inspect.signature(module.apply_rotary_pos_emb).parameters) == ROPE_PARAMETERS else None
 
 
 def _liger_rope(original):
