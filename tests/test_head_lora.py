@@ -200,3 +200,18 @@ def test_head_adapter_trains_alike_with_and_without_the_chunked_loss(tiny_ckpt, 
     assert any(runs[0][n].abs().max() > 0 for n in head if "lora_B" in n)  # the head adapter did train
     for n in runs[0]:
         assert torch.allclose(runs[0][n], runs[24][n], atol=1e-4, rtol=1e-3), n
+
+
+def test_making_and_loading_adapters_warns_nothing_a_user_cannot_act_on(tiny_ckpt, tmp_path):
+    """PEFT 0.21 on transformers 5 raises a FutureWarning (``is_gradient_checkpointing`` is deprecated) at every
+    adapter made or loaded; qrecover silences that one warning, nothing else."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = attach_lora(load(tiny_ckpt), rank=2)
+        save_adapter(model, tmp_path / "ad", base_identity(tiny_ckpt), 10**6)
+        peft_from_pretrained(load(tiny_ckpt), tmp_path / "ad")
+        warnings.warn("`is_gradient_checkpointing` is deprecated (outside qrecover's calls)", FutureWarning)
+    found = [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert found == ["`is_gradient_checkpointing` is deprecated (outside qrecover's calls)"]

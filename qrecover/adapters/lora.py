@@ -20,9 +20,12 @@ Sizes: each adapted layer ``W (out, in)`` gets ``A (r, in)`` and ``B (out, r)``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +95,17 @@ def attach_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout
     config = LoraConfig(r=rank, lora_alpha=float(alpha if alpha is not None else 2 * rank), lora_dropout=dropout,
                         target_modules=quantized_targets(model, targets) + head, bias="none", task_type="CAUSAL_LM",
                         rank_pattern=rank_pattern, alpha_pattern={k: float(scaling * r) for k, r in rank_pattern.items()})
-    return get_peft_model(model, register_head_lora(register_quant_lora(config)))
+    with _quiet_peft():
+        return get_peft_model(model, register_head_lora(register_quant_lora(config)))
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """PEFT 0.21 reads transformers' ``is_gradient_checkpointing``, which transformers 5 deprecates with a
+    FutureWarning at every adapter made or loaded: noise a user can do nothing about. Only that one is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def lora_modules(peft_model: nn.Module) -> dict[str, nn.Module]:
@@ -219,7 +232,8 @@ def peft_from_pretrained(model: nn.Module, adapter: str | Path, trainable: bool 
     config = PeftConfig.from_pretrained(str(adapter))
     if isinstance(config, LoraConfig):
         register_head_lora(register_quant_lora(config))
-    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable, config=config)
+    with _quiet_peft():
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable, config=config)
 
 
 def load_adapter(model: nn.Module, adapter: str | Path, checkpoint: str | Path, allow_foreign: bool = False,
