@@ -123,6 +123,21 @@ def test_ppl_json(cli_ckpt, capsys):
     assert r["measured_bpw"]["model"] <= 5.0
 
 
+def test_ppl_names_its_text_and_the_adapter_it_applied(cli_ckpt, capsys, tmp_path):
+    from qrecover.adapters.lora import attach_lora, base_identity, save_adapter
+    from qrecover.loading import load
+
+    out = cli_ckpt[0]
+    save_adapter(attach_lora(load(out), rank=2), tmp_path / "ad", base_identity(out), 10**6)
+    code, stdout, err = run(["ppl", out, "--windows", "1", "--seq-len", "16"], capsys)
+    assert code == 0, err
+    text = flat(err + stdout)
+    assert "python-docs's eval split" in text and f"for {out}" in text and "adapter" not in text
+    code, stdout, err = run(["ppl", out, "--windows", "1", "--seq-len", "16", "--adapter", tmp_path / "ad"], capsys)
+    assert code == 0, err
+    assert f"with adapter {tmp_path / 'ad'}" in flat(err + stdout)
+
+
 def test_ppl_original_model(tiny_model_dir, capsys):
     code, stdout, err = run(["ppl", tiny_model_dir, "--windows", "1", "--seq-len", "16", "--json"], capsys)
     assert code == 0, err

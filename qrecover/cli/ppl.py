@@ -40,4 +40,6 @@ def ppl(
     if json_out:
         emit_json(r)
     else:
-        console.print(f"perplexity {r['ppl']:.4f} (mean NLL {r['nll']:.4f} over {r['tokens']:,} tokens) for {meta['path']}")
+        with_adapter = f" with adapter {meta['adapter']['path']}" if meta.get("adapter") else ""
+        console.print(f"perplexity {r['ppl']:.4f} (mean NLL {r['nll']:.4f} over {r['tokens']:,} tokens of {data}'s eval split) "
+                      f"for {meta['path']}{with_adapter}")
