@@ -41,9 +41,9 @@ def compress(config: CompressConfig | None = None, out: str | Path | None = None
     cfg = config or CompressConfig(**overrides)
     t0 = time.time()
     out = Path(out) if out is not None else None
+    lin_encs, emb_encs = encodings_of(cfg)  # a bad --encodings is named before anything about the output
     if out is not None and out.exists() and not overwrite:
         raise QRecoverError(f"output directory {str(out)!r} already exists; pass --overwrite to replace it")
-    lin_encs, emb_encs = encodings_of(cfg)
     owned = prepared is None  # no caller keeps this Prepared for another budget: its candidates may be dropped
     if prepared is None:
         check_budget_early(cfg, lin_encs, emb_encs)

@@ -185,6 +185,9 @@ def test_existing_out(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "o").mkdir()
     expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "5"), capsys, "error:", "already exists",
                  "--overwrite")
+    # a bad value is named first: fixing the output directory alone would not make the command work
+    expect_error(compress_args(tiny_model_dir, tmp_path / "o", "--bpw", "5", "--encodings", "nope"), capsys, "error:",
+                 "--encodings: 'nope' is not an encoding spec")
 
 
 def test_infeasible_bpw(tiny_model_dir, tmp_path, capsys):
