@@ -74,7 +74,7 @@ class GraphedForward:
         return out
 
     def _capture(self, key: tuple, ids: torch.Tensor):
-        autocast = key[3]
+        *_, autocast, low = key  # autocast's state and dtype at this call, as __call__ keyed them
         try:
             static_ids = ids.clone()
             current = cuda.current_stream(ids.device)
@@ -84,7 +84,7 @@ class GraphedForward:
                 self.fn(static_ids)
             current.wait_stream(side)
             graph = cuda.CUDAGraph()
-            cast = (torch.autocast(ids.device.type, dtype=key[4], cache_enabled=False) if autocast
+            cast = (torch.autocast(ids.device.type, dtype=low, cache_enabled=False) if autocast
                     else contextlib.nullcontext())
             # thread_local: another thread's CUDA calls (a loader pinning memory) do not invalidate the capture
             with cuda.graph(graph, capture_error_mode="thread_local"), cast:
