@@ -58,14 +58,27 @@ X_PLAIN, X_FP16_PAIRS, X_BF16_PAIRS = 0, 1, 2
 
 
 @triton.jit
-def _x_pair(x_ptr, xoff, i, XP: tl.constexpr):
+def _x_word(ptr, XA: tl.constexpr):
+    """One 32-bit word of activations (a pair of fp16/bf16 values), int32. ``XA``: through inline PTX
+    (``ld.global.nc``), which triton's pipeliner leaves alone: with ``Config.pipe`` the activations, read by every row
+    of a tile and so L1 hits after the first, are then loaded directly instead of each thread copying its own into
+    shared memory by 4-byte ``cp.async`` and reading them back (``compile_check --isa --pipe 4``)."""
+    if XA:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _x_pair(x_ptr, xoff, i, XP: tl.constexpr, XA: tl.constexpr = False):
     """Activations of code positions ``2i`` and ``2i + 1`` of each word, fp32 ``(BM, NW)`` each. ``xoff``: the
-    words' first position in elements of ``x_ptr`` (for pairs, ``x_ptr`` is the 32-bit view: one load, two values)."""
+    words' first position in elements of ``x_ptr`` (for pairs, ``x_ptr`` is the 32-bit view: one load, two values;
+    ``XA``: :func:`_x_word`'s)."""
     if XP == 0:
         a = tl.load(x_ptr + xoff + 2 * i).to(tl.float32)
         b = tl.load(x_ptr + xoff + 2 * i + 1).to(tl.float32)
     else:
-        u = tl.load(x_ptr + xoff + i)
+        u = _x_word(x_ptr + xoff + i, XA)
         if XP == 1:
             a = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             b = (u >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -423,6 +436,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, f
     NW: tl.constexpr = BLOCK_K // CPG
     XSTEP: tl.constexpr = CPG // 2 if XP else CPG  # x_ptr elements per group
     ASM_LUT: tl.constexpr = ASM and LUT != 0  # fp16 tables read plainly: a 32-bit PTX load of a 2-byte entry is misaligned
+    XA: tl.constexpr = ASM and PIPE > 0 and XP > 0  # pipelined: activation pairs loaded directly (_x_word), not copied
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = tl.minimum(rows, N - 1).to(tl.int64)
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -430,6 +444,8 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, f
     row_word = rows64 * row_words
     acc = tl.zeros((BLOCK_M, BLOCK_N, NW), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
+    if PIPE:  # k_split is a multiple of BLOCK_K (the launch checks): the pipeliner's copies of a row's contiguous
+        k_lo = tl.multiple_of(k_lo, BLOCK_K)  # words become 16-byte cp.async (by hand, vector loads would convert layouts)
     k_hi = tl.minimum(k_lo + k_split, K)
     NIB: tl.constexpr = LUT == 4 or LUT == 6  # NIBBLE_MODES
     H2: tl.constexpr = LUT >= 5  # H2_MODES: fp16 pair FMAs (the launch checks XP == 1, fp16 activation pairs)
@@ -458,8 +474,8 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, f
         if SCHEME == 1 and H2:  # blockwise 4-bit codes as fp16 pairs (BLOCKWISE_H2): the tile lies in one block
             scale, zp = _scale_zero(scale_ptr, zp_ptr, rows64 * n_cblocks + cb, zp_nbytes, BITS, HAS_ZP)
             zh = (-1024.0 - zp).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            acc += _h2_codes(w0, zh | (zh << 16), tl.load(x_ptr + xoff), tl.load(x_ptr + xoff + 1),
-                             tl.load(x_ptr + xoff + 2), tl.load(x_ptr + xoff + 3), scale, ASM)
+            acc += _h2_codes(w0, zh | (zh << 16), _x_word(x_ptr + xoff, XA), _x_word(x_ptr + xoff + 1, XA),
+                             _x_word(x_ptr + xoff + 2, XA), _x_word(x_ptr + xoff + 3, XA), scale, ASM)
         elif LUT >= 3:  # register tables (LUT_REGS..): four codes per PRMT selector (2/3/4-bit palettize)
             if not ROW_TABLES:
                 l0, l1, l2, l3, h0, h1, h2, h3 = _regs_table(lut_ptr, tbase[:, None], BITS, ASM)
@@ -468,13 +484,13 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, f
                 for h in tl.static_range(2):
                     pp, pq = _regs_pairs(sel >> (16 * h), half >> (16 * h), l0, l1, l2, l3, h0, h1, h2, h3, BITS, ASM)
                     if H2:  # the activation pairs as loaded (fp16x2), straight into the pair FMAs
-                        accp = _fma2(accp, pp[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h)[:, None, :], ASM)
-                        accq = _fma2(accq, pq[None, :, :], tl.load(x_ptr + xoff + 4 * o + 2 * h + 1)[:, None, :], ASM)
+                        accp = _fma2(accp, pp[None, :, :], _x_word(x_ptr + xoff + 4 * o + 2 * h, XA)[:, None, :], ASM)
+                        accq = _fma2(accq, pq[None, :, :], _x_word(x_ptr + xoff + 4 * o + 2 * h + 1, XA)[:, None, :], ASM)
                     else:
                         v0, v1 = _halves(pp, ASM)
                         v2, v3 = _halves(pq, ASM)
-                        xa, xb = _x_pair(x_ptr, xoff, 4 * o + 2 * h, XP)
-                        xc, xd = _x_pair(x_ptr, xoff, 4 * o + 2 * h + 1, XP)
+                        xa, xb = _x_pair(x_ptr, xoff, 4 * o + 2 * h, XP, XA)
+                        xc, xd = _x_pair(x_ptr, xoff, 4 * o + 2 * h + 1, XP, XA)
                         # one FFMA per weight (a sum of four products would add an FMUL and an FADD per four)
                         part += xa[:, None, :] * v0[None, :, :]
                         part += xb[:, None, :] * v1[None, :, :]
@@ -491,7 +507,7 @@ def _gemv_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_ptr, f
                     accq = tl.zeros_like(accq)
         else:
             for i in tl.static_range(CPG // 2):
-                xa, xb = _x_pair(x_ptr, xoff, i, XP)
+                xa, xb = _x_pair(x_ptr, xoff, i, XP, XA)
                 if LUT == 2:  # one 64-bit load: the fp32 values of both codes (code 2i in the low half)
                     idx = _bits_at(w0, w1, w2, 2 * BITS * i, 2 * BITS)
                     p = _lut_load(lut_ptr + ((tbase[:, None] << (2 * BITS)) + idx), ASM, True)
@@ -641,6 +657,14 @@ def x_pairs(x: torch.Tensor) -> int:
     return X_FP16_PAIRS if x.dtype == torch.float16 else X_BF16_PAIRS
 
 
+def check_split(k_split: int, cfg) -> None:
+    """Both decode kernels tell triton that each split starts on a ``BLOCK_K`` boundary (``Config.pipe``: the
+    alignment that makes the pipeliner's copies 16 bytes wide); a launch whose ``k_split`` is not a multiple of
+    ``block_k`` would read misaligned words, so it is refused (:func:`qmatmul.quant_matmul` rounds it up)."""
+    if k_split % cfg.block_k:
+        raise ValueError(f"k_split {k_split} is not a multiple of block_k {cfg.block_k}; round it up to one")
+
+
 def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
            bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg,
            out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
@@ -650,6 +674,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
     counter per output tile (reset by the kernel)."""
     m, k = x.shape
     n = fmt.out_f
+    check_split(k_split, cfg)
     if fmt.scheme == 0:
         mode = lut_mode(fmt) if cfg.lut < 0 else cfg.lut
     elif cfg.lut == BLOCKWISE_H2:

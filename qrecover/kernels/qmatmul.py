@@ -247,8 +247,9 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int], fp16: bool = False) 
         # weight against 7.2-8.1 (compile_check --isa, sm_90, triton 3.6)
         out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.BLOCKWISE_H2))
     if len(out) > len(shapes):  # that second candidate with its code words through triton's pipeliner, third
-        # (Config.pipe; never timed on a GPU): +0.2-1.3 thread instructions per weight for the nibble codes, fewer on
-        # the stored 3-bit codes (11.3 -> 7.4 at 16x64x64), the words PIPE_STAGES - 1 tiles ahead (compile_check --pipe)
+        # (Config.pipe; never timed on a GPU): +0.2-0.5 thread instructions per weight for the nibble codes (16-byte
+        # copies since 2026-11-30), fewer on the stored 3-bit codes (11.3 -> 7.4 at 16x64x64), the words PIPE_STAGES - 1
+        # tiles ahead (compile_check --pipe)
         out.insert(2, dataclasses.replace(out[1], pipe=PIPE_STAGES))
     return out
 
@@ -305,8 +306,10 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
         first = first[:1] + reg + first[1:]  # (4-bit too since 2026-11-28: 4.4-4.6 per weight against 7.7-8.1)
     # the first three candidates with their code words through triton's pipeliner, second to fourth (asynchronous
     # copies PIPE_STAGES - 1 tiles ahead instead of one tile in registers: the H100 measured this kernel latency-bound;
-    # -0.6 to +0.5 thread instructions per weight and fewer registers, compile_check --isa --pipe 0,4; never timed on a
-    # GPU yet). Blockwise words are the only thing ASM changes there, and the pipeliner reads them plainly: one copy
+    # -0.6 to +0.2 thread instructions per weight and fewer registers, compile_check --isa --pipe 0,4, with the words
+    # copied 16 bytes at a time and the activations loaded directly since 2026-11-30; never timed on a GPU yet).
+    # The pipeliner reads the words plainly whatever ASM says; for blockwise, ASM there changes only the activations'
+    # loads (direct instead of copied), so each twin takes it: one copy
     piped = [dataclasses.replace(c, pipe=PIPE_STAGES, asm=c.asm or (fmt.scheme == 1 and c.lut != gemv.BLOCKWISE_H2))
              for c in first[:3]]
     # the first candidate's twin whose last program per output tile sums the splits (Config.serial: no reduction

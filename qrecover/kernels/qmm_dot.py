@@ -24,7 +24,20 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .formats import Config
-from .gemv import _and_or, _bits_at, _load_words, _lut_load, _octet, _regs_pairs, _regs_table, _scale_zero, _selectors, _store_tile, row_words
+from .gemv import (
+    _and_or,
+    _bits_at,
+    _load_words,
+    _lut_load,
+    _octet,
+    _regs_pairs,
+    _regs_table,
+    _scale_zero,
+    _selectors,
+    _store_tile,
+    check_split,
+    row_words,
+)
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,8 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
     row_word = rows64 * row_words
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
+    if PIPE:  # k_split is a multiple of BLOCK_K (the launch checks): the pipeliner's copies of a row's contiguous
+        k_lo = tl.multiple_of(k_lo, BLOCK_K)  # words become 16-byte cp.async (by hand, vector loads would convert layouts)
     k_hi = tl.minimum(k_lo + k_split, K)
     H2: tl.constexpr = SCHEME == 1 and LUT == 5  # blockwise 4-bit codes as fp16 pairs (fp16 activations; the launch checks)
     PLANES: tl.constexpr = LUT == 4 and BITS == 3  # nibble codes: three contiguous planes per row (gemv.nibble_codes)
@@ -172,6 +187,7 @@ def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[i
     """Run :func:`_dot_decode_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
     ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view)."""
     m, k = x.shape
+    check_split(k_split, cfg)
     _dot_decode_kernel[grid](
         x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k, row_words(fmt, qw, mode),
         k // fmt.cblock, zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), fmt.out_f, m * fmt.out_f,
