@@ -300,6 +300,29 @@ def test_serial_split_k_is_race_free_on_the_gpu():
     assert not qmatmul.split_counters(x.device, 1).any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels' aligned copies run on a GPU only")
+@pytest.mark.parametrize("scheme,bits,block,lut,tile", [
+    ("palettize", 3, None, gemv.LUT_REGS_NIBBLES_H2, (64, 256)), ("palettize", 3, None, gemv.LUT_PAIRS, (64, 256)),
+    ("palettize", 4, None, gemv.LUT_REGS_H2, (64, 256)), ("palettize", 4, None, gemv.LUT_FP32, (64, 256)),
+    ("blockwise", 4, 64, gemv.BLOCKWISE_H2, (128, 64)), ("blockwise", 4, 64, -1, (128, 64))])
+def test_pipelined_variants_at_aligned_shapes_on_the_gpu(scheme, bits, block, lut, tile):
+    """On a GPU, at shapes whose rows start on 16-byte boundaries (4096 inputs: the launcher specializes the strides
+    as multiples of 16, so the pipelined variants copy the code words 16 bytes at a time and read the activations by
+    inline PTX), the pipelined kernel gives the hand prefetch's bits and float64's values; batch 1 and 2, fp16 and bf16
+    activations (fp16 only for the pair FMAs), split-K 1 and 4 (4 and 16 tiles per program)."""
+    layer = make_layer(scheme, bits, 256, 4096, block_size=block).cuda()
+    h2 = lut in gemv.H2_MODES or (scheme == "blockwise" and lut == gemv.BLOCKWISE_H2)
+    for dtype in (torch.float16,) if h2 else (torch.float16, torch.bfloat16):
+        for batch in (1, 2):
+            x = torch.randn(batch, 4096, device="cuda", dtype=dtype)
+            for split in (1, 4):
+                cfg = Config(batch, tile[0], tile[1], split, False, asm=True, lut=lut)
+                y0 = kernels.fused_linear(layer, x, config=cfg)
+                y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, pipe=4))
+                assert torch.equal(y, y0), (scheme, bits, lut, dtype, batch, split)
+                assert rel_err(y, ref64(layer, x)) < (8e-3 if dtype == torch.bfloat16 else 2e-3), (scheme, bits, lut, batch)
+
+
 @pytest.mark.parametrize("block,symmetric", [(64, True), (32, False), (None, False)])
 def test_blockwise_fp16_pair_mode_in_the_decode_kernel(interp, block, symmetric):
     """Blockwise 4-bit codes as fp16 pairs by their bits (``gemv.BLOCKWISE_H2``: ``c - z`` exact, fp16 pair FMAs in
