@@ -86,6 +86,26 @@ def test_pipelined_word_loads_in_the_dot_kernel(interp, scheme, bits, params, lu
             assert torch.equal(y, y0) and rel_err(y, ref64(layer, x)) < 2e-3, (scheme, bits, lut, batch, split)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel's aligned copies run on a GPU only")
+@pytest.mark.parametrize("scheme,bits,params,lut", [("palettize", 3, {}, 4), ("palettize", 4, {}, 3),
+                                                     ("blockwise", 4, dict(block_size=64), 5)])
+def test_pipelined_dot_kernel_at_aligned_shapes_on_the_gpu(scheme, bits, params, lut):
+    """On a GPU, at 4096 inputs (rows and splits on 16-byte boundaries, so the pipelined variant's copies of the code
+    words and activations are 16 bytes wide), the pipelined decode-and-dot kernel gives the hand prefetch's bits and
+    float64's values; batch 16 and 64, split-K 1 and 4, the tuner's batch-16 tiles (64 columns for blocks of 64)."""
+    from qrecover.kernels import qmm_dot
+
+    layer = make_layer(scheme, bits, 256, 4096, **params).cuda()
+    for batch in (16, 64):
+        x = torch.randn(batch, 4096, device="cuda", dtype=torch.float16)
+        for split in (1, 4):
+            cfg = qmm_dot.DotDecode(16 if batch <= 16 else 64, 64, 64 if scheme == "blockwise" else 128, split, True, 4, 1,
+                                        asm=True, lut=lut)
+            y0 = kernels.fused_linear(layer, x, config=cfg)
+            y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, pipe=4))
+            assert torch.equal(y, y0) and rel_err(y, ref64(layer, x)) < 2e-3, (scheme, bits, lut, batch, split)
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_blockwise_fp16_pairs_decode_the_same_weights_in_the_dot_kernel(interp, symmetric):
     """Blockwise 4-bit codes as fp16 pairs (gemv.BLOCKWISE_H2) at batch 5-64: one-hot fp16 rows read every weight back,
