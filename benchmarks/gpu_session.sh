@@ -13,7 +13,7 @@
 # (benchmarks/decode_sweep.py, the batch-1 decode kernel's configurations on 4096x14336) ~95 s with T_SWEEP=110. The whole
 # former default set (with compress) + r4 took 481 s on 2026-11-27. A machine start costs about a minute of the 15-minute budget.
 # If a kernel variant faults on the GPU (an illegal address ends the process's CUDA context, so the tuner's check cannot
-# skip it), measure around it: QRECOVER_TUNE_OFF=pipe,serial (kinds: pipe, serial, asm, regs, h2, nibbles, dot) makes
+# skip it), measure around it: QRECOVER_TUNE_OFF=pipe,serial (kinds: pipe, serial, asm, regs, h2, nibbles, dot, swap) makes
 # the tuner leave those out; the failing test in the tests part names the variant.
 # If the training step's fused layers (Liger's RMSNorm, SwiGLU, rotary embedding) or the teacher's CUDA graph fail there
 # (tests/test_fused_layers.py, tests/test_graphs.py in the tests part), measure around them: TRAIN_ARGS="--no-fused-layers

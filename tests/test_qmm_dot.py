@@ -92,7 +92,8 @@ def test_pipelined_word_loads_in_the_dot_kernel(interp, scheme, bits, params, lu
 def test_pipelined_dot_kernel_at_aligned_shapes_on_the_gpu(scheme, bits, params, lut):
     """On a GPU, at 4096 inputs (rows and splits on 16-byte boundaries, so the pipelined variant's copies of the code
     words and activations are 16 bytes wide), the pipelined decode-and-dot kernel gives the hand prefetch's bits and
-    float64's values; batch 16 and 64, split-K 1 and 4, the tuner's batch-16 tiles (64 columns for blocks of 64)."""
+    float64's values, and the transposed product (``Config.swap``, batch 16) float64's; batch 16 and 64, split-K 1
+    and 4, the tuner's batch-16 tiles (64 columns for blocks of 64)."""
     from qrecover.kernels import qmm_dot
 
     layer = make_layer(scheme, bits, 256, 4096, **params).cuda()
@@ -104,6 +105,68 @@ def test_pipelined_dot_kernel_at_aligned_shapes_on_the_gpu(scheme, bits, params,
             y0 = kernels.fused_linear(layer, x, config=cfg)
             y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, pipe=4))
             assert torch.equal(y, y0) and rel_err(y, ref64(layer, x)) < 2e-3, (scheme, bits, lut, batch, split)
+            if batch <= 32:  # the transposed product (Config.swap): a warpgroup MMA on sm_90
+                y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, swap=True))
+                assert rel_err(y, ref64(layer, x)) < 2e-3 and rel_err(y, y0) < 1e-3, (scheme, bits, lut, batch, split)
+
+
+@pytest.mark.parametrize("scheme,bits,params,lut", [("palettize", 3, {}, 4), ("palettize", 3, dict(block_size=32), 2),
+                                                     ("palettize", 4, {}, 3), ("palettize", 2, {}, -1),
+                                                     ("blockwise", 4, dict(block_size=64), 5),
+                                                     ("blockwise", 3, dict(block_size=32, symmetric=False), -1)])
+def test_transposed_product_gives_the_same_layer(interp, scheme, bits, params, lut):
+    """``Config.swap``: the decode-and-dot kernel's product as ``W x^T`` (weights first, transposed once at the end)
+    matches float64 and the untransposed product to fp32 rounding: every table layout, register tables, fp16 pairs,
+    blockwise with zero points; batch 5, 16 and 32, split-K 1 and 2; fp16 activations, and bf16 where the product is
+    the transposed one on a GPU (the interpreter takes bf16 through its IEEE path, untransposed)."""
+    layer = _layer(scheme, bits, params)
+    for batch in (5, 16, 32):
+        x = torch.randn(batch, 192, device=DEV).half()
+        for split in (1, 2):
+            cfg = interp.DotDecode(16 if batch <= 16 else 32, 32, 32, split, True, 4, 1, asm=True, lut=lut)
+            y0 = kernels.fused_linear(layer, x, config=cfg)
+            y = kernels.fused_linear(layer, x, config=dataclasses.replace(cfg, swap=True))
+            assert rel_err(y, ref64(layer, x)) < 2e-3 and rel_err(y, y0) < 1e-3, (scheme, bits, lut, batch, split)
+    if lut != 5:
+        xb = torch.randn(16, 192, device=DEV).bfloat16()
+        y = kernels.fused_linear(layer, xb, config=interp.DotDecode(16, 32, 32, 1, True, 4, 1, asm=True, lut=lut, swap=True))
+        assert rel_err(y, ref64(layer, xb)) < 8e-3, (scheme, bits, lut)
+
+
+_SWAP_ISA = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, gemv, qmm_dot
+cc.ALIGNED = True
+out = {}
+for label, sig, const, opts in cc.dot_variants("default"):
+    if const["BITS"] == 3 and const["LUT"] == gemv.LUT_REGS_NIBBLES and const["ASM"] and const["BLOCK_M"] == 16:
+        k = cc._compile(qmm_dot._dot_decode_kernel, sig, const, GPUTarget("cuda", 90, 32), **opts)
+        sass = cc.sass(k)
+        row = cc.isa_row(k, opts["num_warps"], const["BLOCK_N"] * const["BLOCK_K"])
+        out[label] = [row["total"], len(re.findall(r"\\bHGMMA", sass)), len(re.findall(r"\\bHMMA", sass)),
+                      cc.resources(k).get("STACK", 0)]
+import triton
+out["triton"] = triton.__version__
+print(json.dumps(out))
+"""
+
+
+def test_transposed_product_compiles_to_a_warpgroup_mma():
+    """Compiled for sm_90 (no GPU needed): at 16 inputs the plain product is the 16x8x16 MMA (``HMMA``), the transposed
+    one (``Config.swap``) a warpgroup MMA (``HGMMA``, 64 weight rows), without spilling and with no more thread
+    instructions per weight in the main loop; under triton 3.6 (the GPU machine's), whose small MMA reads its operands
+    through register shuffles, at least 0.8 fewer (register tables on nibble codes, 16x64x64 and 16x64x128:
+    4.66 -> 2.94 and 3.88 -> 2.53; triton 3.9, CI's: 3.16 -> 3.13 and 2.75 -> 2.72)."""
+    from test_gemv import _compiled
+    got = _compiled(_SWAP_ISA)
+    for tile in ("16x64x64", "16x64x128"):
+        plain = got[f"palettize-3 fp16 dot-decode {tile} reg-lut nibbles asm w4"]
+        swap = got[f"palettize-3 fp16 dot-decode {tile} reg-lut nibbles asm swap w4"]
+        assert plain[1] == 0 and plain[2] > 0 and swap[1] > 0 and swap[3] == 0, got
+        assert swap[0] < plain[0] + 0.1, got
+        if got["triton"].startswith("3.6"):
+            assert swap[0] < plain[0] - 0.8, got
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -164,8 +227,14 @@ def test_tuner_offers_the_dot_decode_kernel_first(interp, batch):
         # register tables on nibble codes (inline PTX): the second decode-and-dot candidate, among the first three
         dots = [c for c in configs if isinstance(c, interp.DotDecode)]
         assert dots[1].lut == 4 and dots[1].asm and dots[1] in configs[:3]
-        # and the same with its code words pipelined (Config.pipe), among the first five
-        assert dots[2] == dataclasses.replace(dots[1], pipe=interp.PIPE_STAGES) and dots[2] in configs[:5]
+        # and the same as the transposed product (Config.swap: sm_90's warpgroup MMA) where fewer than 64 inputs,
+        # among the first five; then with its code words pipelined (Config.pipe)
+        if batch <= 32:
+            assert dots[2] == dataclasses.replace(dots[1], swap=True) and dots[2] in configs[:5]
+            dots = dots[:2] + dots[3:]
+        else:
+            assert not any(c.swap for c in dots)
+        assert dots[2] == dataclasses.replace(dots[1], pipe=interp.PIPE_STAGES)
         for c in configs:
             assert fmt.cblock % c.block_k == 0 and c.use_dot and c.block_m >= 16
             assert fmt.in_f >= c.block_k * c.split_k or c.split_k == 1

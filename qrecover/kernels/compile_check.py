@@ -173,7 +173,8 @@ def gemv_variants(level: str, tiles: list[tuple[int, int, int, int]] | None = No
 def dot_variants(level: str, pipes: tuple[int, ...] = (0,)):
     """``(label, signature, constexprs, options)`` for the batch 5-64 decode-and-dot kernel (:mod:`.qmm_dot`): the
     tuner's tiles for batch 16 (16x64x64, 16x64x128) and 64 (64x128x64), one stage (words prefetched by hand), or
-    ``pipes`` (``Config.pipe``)."""
+    ``pipes`` (``Config.pipe``); the batch-16 tiles with 16-bit activations also as the transposed product
+    (``Config.swap``, label ``swap``)."""
     dtypes = ["fp16", "bf16", "fp32"] if level == "all" else ["fp16"]
     formats = [(0, 2, False, gemv.LUT_PAIRS), (0, 3, False, gemv.LUT_PAIRS), (0, 4, False, gemv.LUT_PAIRS),
                (0, 4, False, gemv.LUT_FP32), (0, 8, False, gemv.LUT_FP32), (1, 2, True, 0), (1, 3, True, 0),
@@ -192,7 +193,8 @@ def dot_variants(level: str, pipes: tuple[int, ...] = (0,)):
             # inline-PTX table loads; not for 3-bit codes, whose strided words they also read (more instructions)
             asms = (False, True) if (scheme == 0 and lut and (bits != 3 or lut >= gemv.LUT_REGS)) or lut == gemv.BLOCKWISE_H2 \
                 else (False,)
-            for (bm, bn, bk, warps, stages), asm, pipe in [(t, a, p) for t in tiles for a in asms for p in pipes]:
+            for (bm, bn, bk, warps, stages), asm, pipe, swap in [(t, a, p, w) for t in tiles for a in asms for p in pipes
+                                                                 for w in (False, True) if not w or (t[0] < 64 and dt != "fp32")]:
                 lut_t = _lut_type(scheme, lut)
                 sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "lut_ptr": lut_t, "scale_ptr": "*fp16", "zp_ptr": "*u8",
                        "bias_ptr": f"*{dt}", "out_ptr": "*fp32",
@@ -201,12 +203,12 @@ def dot_variants(level: str, pipes: tuple[int, ...] = (0,)):
                 const = dict(SCHEME=scheme, BITS=bits, GROUP=16 if scheme == 0 else 1, CBLOCK=4096 if scheme == 0 else 64,
                              HAS_ZP=zp, HAS_BIAS=False, LUT=lut, DIRECT=False, IEEE=dt == "fp32", ASM=asm,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ROW_TABLES=scheme == 0 and lut >= gemv.LUT_REGS,
-                             PIPE=pipe)
+                             PIPE=pipe, SWAP=swap)
                 name = f"{'palettize' if scheme == 0 else 'blockwise'}-{bits}{'-zp' if zp else ''}"
                 lut_name = ("", " fp32-lut", " pair-lut", " reg-lut", " reg-lut nibbles")[lut] if scheme == 0 else (
                     " h2" if lut == gemv.BLOCKWISE_H2 else "")
                 yield (f"{name} {dt} dot-decode {bm}x{bn}x{bk}{lut_name}{' asm' if asm else ''}"
-                       f"{f' pipe{pipe}' if pipe else ''} w{warps}", sig, const,
+                       f"{f' pipe{pipe}' if pipe else ''}{' swap' if swap else ''} w{warps}", sig, const,
                        dict(num_warps=warps, num_stages=stages))
 
 

@@ -33,7 +33,11 @@ class Config:
     its default for the shape). ``pipe``: the decode kernel (batch 1-4) reads the code words through triton's
     software pipeliner, ``pipe - 1`` tiles ahead through shared memory (asynchronous copies, ``cp.async``), instead of
     one tile ahead in registers (0). ``serial``: with split-K, the decode kernel's last program of each output tile
-    sums the splits itself (one launch, no reduction kernel after it)."""
+    sums the splits itself (one launch, no reduction kernel after it). ``swap``: the batch 5-64 decode-and-dot kernel
+    computes the transposed product, ``(W x^T)^T``, the decoded weights as the tensor-core product's first operand:
+    its ``block_n`` rows (>= 64) then fill sm_90's warpgroup MMA (``wgmma``), which needs 64 rows, where ``block_m``
+    (16-32 inputs) does not, and the weights reach it without the register shuffles of the smaller MMA
+    (``compile_check --isa``: 3.88 -> 2.53 thread instructions per weight, palettize-3 at 16x64x128)."""
 
     block_m: int
     block_n: int
@@ -46,3 +50,4 @@ class Config:
     lut: int = -1
     pipe: int = 0
     serial: bool = False
+    swap: bool = False

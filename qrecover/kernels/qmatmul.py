@@ -246,11 +246,17 @@ def _dot_decode_configs(fmt: Format, m: int, ks: list[int], fp16: bool = False) 
         # the first tile, second (2026-11-29, fifth session; never timed on a GPU): 4.3-5.4 thread instructions per
         # weight against 7.2-8.1 (compile_check --isa, sm_90, triton 3.6)
         out.insert(1, dataclasses.replace(out[0], asm=True, lut=gemv.BLOCKWISE_H2))
-    if len(out) > len(shapes):  # that second candidate with its code words through triton's pipeliner, third
-        # (Config.pipe; never timed on a GPU): +0.2-0.5 thread instructions per weight for the nibble codes (16-byte
-        # copies since 2026-11-30), fewer on the stored 3-bit codes (11.3 -> 7.4 at 16x64x64), the words PIPE_STAGES - 1
-        # tiles ahead (compile_check --pipe)
+    second = len(out) > len(shapes)  # a register-table or fp16-pair candidate second
+    if second:  # that second candidate with its code words through triton's pipeliner, fourth (Config.pipe; never
+        # timed on a GPU): +0.2-0.5 thread instructions per weight for the nibble codes (16-byte copies since
+        # 2026-11-30), fewer on the stored 3-bit codes (11.3 -> 7.4 at 16x64x64), the words PIPE_STAGES - 1 tiles ahead
+        # (compile_check --pipe)
         out.insert(2, dataclasses.replace(out[1], pipe=PIPE_STAGES))
+    if bm < 64:  # the second candidate (else the first) as the transposed product, right after it (Config.swap; never
+        # timed on a GPU): a warpgroup MMA on sm_90 where 16-32 inputs get the small MMA and its register shuffles,
+        # 2.5-4.0 thread instructions per weight against 3.9-5.7 (compile_check --isa, triton 3.6, 2026-11-30)
+        i = 1 if second else 0
+        out.insert(i + 1, dataclasses.replace(out[i], swap=True))
     return out
 
 
@@ -448,15 +454,16 @@ def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
 #: ``QRECOVER_TUNE_OFF=pipe,serial,...``: kinds of kernel variant the tuner leaves out (:func:`variant_kinds`), e.g. to
 #: measure around one that faults on a GPU (a fault ends the process's CUDA context, which no check can catch)
 TUNE_OFF_ENV = "QRECOVER_TUNE_OFF"
-VARIANT_KINDS = ("pipe", "serial", "asm", "regs", "h2", "nibbles", "dot")
+VARIANT_KINDS = ("pipe", "serial", "asm", "regs", "h2", "nibbles", "dot", "swap")
 
 
 def variant_kinds(cfg: Config, fmt: Format) -> set[str]:
     """The kinds of variant ``cfg`` is: ``pipe`` (code words pipelined), ``serial`` (split-K in one launch), ``asm``
     (inline PTX), ``regs`` (palettize register tables), ``h2`` (fp16 pair FMAs), ``nibbles`` (repacked codes), ``dot``
-    (the batch 5-64 decode-and-dot kernel)."""
+    (the batch 5-64 decode-and-dot kernel), ``swap`` (its transposed product)."""
     palettize = fmt.scheme == 0
     return {k for k, on in (("pipe", cfg.pipe), ("serial", cfg.serial), ("asm", cfg.asm), ("dot", isinstance(cfg, DotDecode)),
+                            ("swap", cfg.swap),
                             ("regs", palettize and cfg.lut >= gemv.LUT_REGS), ("h2", cfg.lut in gemv.H2_MODES),
                             ("nibbles", palettize and cfg.lut in gemv.NIBBLE_MODES)) if on}
 

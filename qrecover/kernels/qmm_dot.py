@@ -118,12 +118,15 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
                        GROUP: tl.constexpr, CBLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        LUT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ASM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0):
+                       ROW_TABLES: tl.constexpr = False, PIPE: tl.constexpr = 0, SWAP: tl.constexpr = False):
     """Program ``(n, m, s)``: output tile ``(BLOCK_M, BLOCK_N)`` over input columns ``[s*k_split, (s+1)*k_split)``;
     ``DIRECT``: ``acc + bias`` in the output dtype, else fp32 partial sums to ``out_ptr[s]`` (split-K).
     ``LUT`` 3/4: register tables on stored / nibble codes (:mod:`.gemv`); ``ROW_TABLES``: whole-row tables, loaded
     once. ``PIPE`` (>= 2): the code words read plainly at each tile, issued ``PIPE - 1`` tiles ahead through shared
-    memory by triton's pipeliner (as :mod:`.gemv`'s); 0: the next tile's words requested by hand, in registers."""
+    memory by triton's pipeliner (as :mod:`.gemv`'s); 0: the next tile's words requested by hand, in registers.
+    ``SWAP`` (``Config.swap``; 16-bit activations): the product as ``W x^T``, weights first, transposed once at the
+    end, so that ``BLOCK_N`` (>= 64) is the MMA's row count: sm_90 then runs a warpgroup MMA (``wgmma``) fed from
+    shared memory by ``ldmatrix``, where ``BLOCK_M`` < 64 gets the 16x8x16 MMA and its operands' register shuffles."""
     WPG: tl.constexpr = 3 if BITS == 3 else 1  # words per group of codes
     CPG: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # codes per group
     NW: tl.constexpr = BLOCK_K // CPG
@@ -132,7 +135,10 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
     ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     xrow = tl.minimum(ms, M - 1).to(tl.int64) * stride_xm
     row_word = rows64 * row_words
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.program_id(2) * k_split
     if PIPE:  # k_split is a multiple of BLOCK_K (the launch checks): the pipeliner's copies of a row's contiguous
         k_lo = tl.multiple_of(k_lo, BLOCK_K)  # words become 16-byte cp.async (by hand, vector loads would convert layouts)
@@ -170,10 +176,14 @@ def _dot_decode_kernel(x_ptr, qw_ptr, lut_ptr, scale_ptr, zp_ptr, bias_ptr, out_
         x = tl.load(x_ptr + xrow[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
         if IEEE:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+        elif SWAP:
+            acc_t += tl.dot(w.to(x.dtype), tl.trans(x))
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         if PIPE == 0:
             w0, w1, w2 = n0, n1, n2
+    if SWAP:
+        acc = tl.trans(acc_t)
     _store_tile(acc, out_ptr, bias_ptr, ms, rows, rows64, M, N, stride_om, stride_os, tl.program_id(2), DIRECT, HAS_BIAS)
 
 
@@ -194,5 +204,5 @@ def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[i
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
         HAS_BIAS=bias is not None, LUT=mode, DIRECT=grid[2] == 1, IEEE=ieee, ASM=cfg.asm and not interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_TABLES=fmt.scheme == 0 and fmt.cblock == k,
-        PIPE=cfg.pipe, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPE=cfg.pipe, SWAP=cfg.swap and not ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
