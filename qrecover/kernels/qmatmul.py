@@ -330,7 +330,7 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
 _TUNED: dict[tuple, Config] = {}
 
-#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 4)
+#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 6)
 TUNE_LIMIT: int | None = None
 #: per tuned case, what the tuner measured of each candidate: ms, or why it was skipped (benchmarks/kernels.py prints it)
 TIMINGS: dict[tuple, dict[Config, float | str]] = {}
