@@ -236,8 +236,10 @@ def test_stack_adapters_pads_ranks():
 
 @needs_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
-def test_multi_adapter_kernels_match_one_by_one(interp, dtype, tol):
-    adapters = _adapters(96, 40, (8, 4, 16))
+@pytest.mark.parametrize("ranks", [(8, 4, 16), (8, 4, 5), (12, 4, 3)])
+def test_multi_adapter_kernels_match_one_by_one(interp, dtype, tol, ranks):
+    """Stacked ranks 16 (the expand reads each row of ``B`` unmasked: ``FULL_R``), 8 and 12 (padded to 16, masked)."""
+    adapters = _adapters(96, 40, ranks)
     lora_a, lora_b, scaling = stack_adapters(adapters)
     index = torch.tensor([2, -1, 0, 1, 2, 2, -1, 0, 1, 1, 0, 2, -1, 2, 0, 1, 1, 2, 0])  # 19 tokens, 3 adapters and none
     x = torch.randn(19, 96)
@@ -266,6 +268,37 @@ def test_shrink_splits_fill_the_gpu():
             assert k_split % block_k == 0 and (n - 1) * k_split < k <= n * k_split, (m, k)
             assert m * n >= 2 * 132 or 2 * n > min(k // block_k, MAX_SPLITS), (m, k, n)  # (k_split rounds up)
     assert shrink_splits(1, 4096)[1] == 32 and shrink_splits(16, 4096)[1] == 32 and shrink_splits(1, 14336)[1] == 56
+
+
+_EXPAND_SASS = """
+import json, re
+from triton.backends.compiler import GPUTarget
+from qrecover.kernels import compile_check as cc, multi_adapter_kernels as mak
+cc.ALIGNED = True  # as the launcher specializes: strides that are multiples of 16 (B's row stride is the rank, 16)
+cc.ALIGNED_INTS = ("N", "stride_bn", "stride_bo", "stride_ym")
+out = {}
+for w in ("fp16", "i8"):
+    sig = {"t_ptr": "*fp32", "b_ptr": f"*{w}", "b_scale_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i64",
+           "y_ptr": "*fp16", **{k: "i32" for k in ("M", "N", "R", "n_splits", "stride_bn", "stride_bo", "stride_ym")}}
+    for full in (False, True):
+        k = cc._compile(mak._expand_kernel, sig, dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128, S_PAD=64, FULL_R=full),
+                        GPUTarget("cuda", 90, 32), num_warps=4)
+        sass = cc.sass(k)
+        out[f"{w} {full}"] = [len(re.findall(r"LDG\\.E\\.128", sass)), len(re.findall(r"LDG\\.E\\.(?:U16|U8)\\b", sass))]
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_expand_reads_adapter_rows_by_vector_loads():
+    """Compiled for sm_90 (no GPU needed): with the rank a power of two (``FULL_R``, rank 16), the expand reads each row
+    of ``B`` (16 ranks: 32 bytes fp16, 16 int8) by 128-bit loads; with a mask along the rank it read them one element at
+    a time (16 two-byte or one-byte loads per row), as it still does for a padded rank."""
+    from test_gemv import _compiled
+    got = _compiled(_EXPAND_SASS)
+    for w in ("fp16", "i8"):
+        masked, full = got[f"{w} False"], got[f"{w} True"]
+        assert masked[1] >= 16 and full[1] <= 1 and full[0] > masked[0], got
 
 
 @needs_triton

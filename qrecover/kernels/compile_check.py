@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         *[(f"lora expand r16 {w}", multi_adapter_kernels._expand_kernel,
            {"t_ptr": "*fp32", "b_ptr": f"*{w}", "b_scale_ptr": "*fp32", "scale_ptr": "*fp32", "idx_ptr": "*i64", "y_ptr": "*fp16",
             **{k: "i32" for k in ("M", "N", "R", "n_splits", "stride_bn", "stride_bo", "stride_ym")}},
-           dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128, S_PAD=64))
+           dict(INT8=w == "i8", R_PAD=16, BLOCK_N=128, S_PAD=64, FULL_R=True))
           for w in ("fp16", "i8")],
         *[(f"r4 rotation {n} ({P} x {B}) {dt}", fwht._fwht_rows,
            {"x_ptr": f"*{dt}", "s_ptr": "*fp32", "a_ptr": "*fp32", "out_ptr": f"*{dt}", "stride_x": "i32", "stride_o": "i32"},

@@ -46,22 +46,26 @@ def _shrink_kernel(x_ptr, a_ptr, a_scale_ptr, idx_ptr, t_ptr, M, K, R, k_split, 
 
 @triton.jit
 def _expand_kernel(t_ptr, b_ptr, b_scale_ptr, scale_ptr, idx_ptr, y_ptr, M, N, R, n_splits, stride_bn, stride_bo,
-                   stride_ym, INT8: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr):
+                   stride_ym, INT8: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, S_PAD: tl.constexpr,
+                   FULL_R: tl.constexpr = False):
     """Program ``(m, j)``: ``y[m, js] += scaling[idx[m]] * B[idx[m]][js, :] @ sum_s t[s, m, :]`` for output block ``js``
-    (times the rows' scales for int8 ``B``); the ``n_splits <= S_PAD`` slots are read as one tile, not one after another."""
+    (times the rows' scales for int8 ``B``); the ``n_splits <= S_PAD`` slots are read as one tile, not one after another.
+    ``FULL_R``: the rank is ``R_PAD`` (a power of two, >= 16): no mask along the rank, so that a row of ``B`` is read by
+    vector loads (a mask along it made them one element each: 16 two-byte or one-byte loads per row, sm_90 SASS)."""
     m = tl.program_id(0)
     j = tl.program_id(1)
     idx = tl.load(idx_ptr + m).to(tl.int64)
     a = tl.maximum(idx, 0)
     rr = tl.arange(0, R_PAD)
     rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_mask = (rr < R) & (rr * 0 + idx >= 0)
+    r_ok = rr < (R_PAD if FULL_R else R)
+    t_mask = r_ok & (rr * 0 + idx >= 0)
     ss = tl.arange(0, S_PAD)
-    t = tl.sum(tl.load(t_ptr + (ss[:, None] * M + m).to(tl.int64) * R + rr[None, :],
+    t = tl.sum(tl.load(t_ptr + (ss[:, None] * M + m).to(tl.int64) * (R_PAD if FULL_R else R) + rr[None, :],
                        mask=(ss < n_splits)[:, None] & t_mask[None, :], other=0.0), axis=0)
     n_mask = (rows < N) & (rows * 0 + idx >= 0)
     b = tl.load(b_ptr + a * stride_bn + rows[:, None] * stride_bo + rr[None, :],
-                mask=n_mask[:, None] & (rr < R)[None, :], other=0).to(tl.float32)
+                mask=n_mask[:, None] & r_ok[None, :], other=0).to(tl.float32)
     delta = tl.sum(b * t[None, :], axis=1) * tl.load(scale_ptr + a)
     if INT8:
         delta *= tl.load(b_scale_ptr + a * N + rows, mask=n_mask, other=0.0).to(tl.float32)
@@ -135,5 +139,5 @@ def expand(t: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor, index: 
     _expand_kernel[(m, triton.cdiv(n, block_n))](t, lora_b, scales, scaling, index, y, m, n, r, t.shape[0],
                                                 lora_b.stride(0), lora_b.stride(1), y.stride(0),
                                                 INT8=lora_b.dtype == torch.int8, R_PAD=_r_pad(r), BLOCK_N=block_n,
-                                                S_PAD=max(2, triton.next_power_of_2(t.shape[0])))
+                                                S_PAD=max(2, triton.next_power_of_2(t.shape[0])), FULL_R=r == _r_pad(r))
     return y
