@@ -116,7 +116,11 @@ def test_candidate_configs_are_valid(interp, batch):
             for c in configs:
                 assert cblock % c.block_k == 0 and (c.block_m >= 16 or not c.use_dot)
                 assert (c.block_m <= 16) == (batch <= 16) or c.block_m == 16  # GEMV tiles for decoding batches
-                assert c.use_dot == (batch > 4)
+                # the tensor-core kernels above batch 4; at batch 2-4 (16-bit) also the decode-and-dot kernel's
+                # transposed product, one 16-input tile
+                assert c.use_dot == (batch > 4) or (2 <= batch <= 4 and not fp32 and c.swap and c.block_m == 16)
+            if 2 <= batch <= 4:
+                assert any(c.swap for c in configs) != fp32
                 assert not (fp32 and c.use_dot) or c.block_m * c.block_n * c.block_k <= 32 * 64 * 32
 
 

@@ -92,12 +92,12 @@ def test_pipelined_word_loads_in_the_dot_kernel(interp, scheme, bits, params, lu
 def test_pipelined_dot_kernel_at_aligned_shapes_on_the_gpu(scheme, bits, params, lut):
     """On a GPU, at 4096 inputs (rows and splits on 16-byte boundaries, so the pipelined variant's copies of the code
     words and activations are 16 bytes wide), the pipelined decode-and-dot kernel gives the hand prefetch's bits and
-    float64's values, and the transposed product (``Config.swap``, batch 16) float64's; batch 16 and 64, split-K 1
-    and 4, the tuner's batch-16 tiles (64 columns for blocks of 64)."""
+    float64's values, and the transposed product (``Config.swap``, batch 4 and 16) float64's; batch 4, 16 and 64,
+    split-K 1 and 4, the tuner's batch-16 tiles (64 columns for blocks of 64)."""
     from qrecover.kernels import qmm_dot
 
     layer = make_layer(scheme, bits, 256, 4096, **params).cuda()
-    for batch in (16, 64):
+    for batch in (4, 16, 64):
         x = torch.randn(batch, 4096, device="cuda", dtype=torch.float16)
         for split in (1, 4):
             cfg = qmm_dot.DotDecode(16 if batch <= 16 else 64, 64, 64 if scheme == "blockwise" else 128, split, True, 4, 1,
@@ -117,10 +117,10 @@ def test_pipelined_dot_kernel_at_aligned_shapes_on_the_gpu(scheme, bits, params,
 def test_transposed_product_gives_the_same_layer(interp, scheme, bits, params, lut):
     """``Config.swap``: the decode-and-dot kernel's product as ``W x^T`` (weights first, transposed once at the end)
     matches float64 and the untransposed product to fp32 rounding: every table layout, register tables, fp16 pairs,
-    blockwise with zero points; batch 5, 16 and 32, split-K 1 and 2; fp16 activations, and bf16 where the product is
+    blockwise with zero points; batch 2, 5, 16 and 32, split-K 1 and 2; fp16 activations, and bf16 where the product is
     the transposed one on a GPU (the interpreter takes bf16 through its IEEE path, untransposed)."""
     layer = _layer(scheme, bits, params)
-    for batch in (5, 16, 32):
+    for batch in (2, 5, 16, 32):  # (batch 2-4: a 16-input tile, partly used; the tuner offers it there too)
         x = torch.randn(batch, 192, device=DEV).half()
         for split in (1, 2):
             cfg = interp.DotDecode(16 if batch <= 16 else 32, 32, 32, split, True, 4, 1, asm=True, lut=lut)

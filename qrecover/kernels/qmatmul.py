@@ -199,7 +199,13 @@ def candidate_configs(fmt: Format, m: int, fp32: bool = False, fp16: bool = Fals
         return [Config(bm, bn, 32, s, True) for bm, bn in tiles for s in ((4, 1, 2) if m <= 16 else (1, 2))]
     if m <= 16:  # GEMV path
         if m <= 4:  # the decode kernel (gemv.py)
-            return _decode_configs(fmt, m, ks)
+            out = _decode_configs(fmt, m, ks)
+            if m >= 2 and not fp32:  # batch 2-4: the decode-and-dot kernel's transposed product too, fourth (a
+                # 16-input tile, 2-4 of them used: its decode is shared by the inputs and the tensor cores do the
+                # multiplying, where the decode kernel's FMAs grow with the batch; palettize-3 nibble codes, sm_90, triton
+                # 3.6: 2.5-2.9 thread instructions per weight against 3.8 at batch 2 and 6.5 at batch 4; never timed)
+                out[3:3] = [c for c in _dot_decode_configs(fmt, m, ks, fp16) if c.swap]
+            return out
         else:
             shapes = [(16, bn, bk, True) for bn, bk in ((32, 128), (64, 64), (64, 128), (32, 64)) if bk in ks]
         shapes = shapes or [(_pow2_at_least(min(m, 4)) if m <= 4 else 16, 32, ks[-1], m > 4)]
