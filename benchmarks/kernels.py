@@ -484,7 +484,7 @@ def config_label(c) -> str:
     """A launch configuration in a few characters: tile, split-K, kernel, table layout and the variants' flags."""
     kind = "dot" if type(c).__name__ == "DotDecode" else ("gemv" if not c.use_dot else "tiled")
     return (f"{kind} {c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} lut{c.lut}{' asm' if c.asm else ''}"
-            f"{f' pipe{c.pipe}' if c.pipe else ''}{' serial' if c.serial else ''}{' swap' if getattr(c, 'swap', False) else ''}")
+            f"{f' pipe{c.pipe}' if c.pipe else ''}{' serial' if c.serial else ''}{' swap' if c.swap else ''}")
 
 
 def _candidate_lines(result: dict) -> list[str]:

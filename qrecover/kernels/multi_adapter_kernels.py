@@ -58,10 +58,11 @@ def _expand_kernel(t_ptr, b_ptr, b_scale_ptr, scale_ptr, idx_ptr, y_ptr, M, N, R
     a = tl.maximum(idx, 0)
     rr = tl.arange(0, R_PAD)
     rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rr < (R_PAD if FULL_R else R)
+    rank = R_PAD if FULL_R else R  # a compile-time rank: rows of B and slots of t aligned, no mask along them
+    r_ok = rr < rank
     t_mask = r_ok & (rr * 0 + idx >= 0)
     ss = tl.arange(0, S_PAD)
-    t = tl.sum(tl.load(t_ptr + (ss[:, None] * M + m).to(tl.int64) * (R_PAD if FULL_R else R) + rr[None, :],
+    t = tl.sum(tl.load(t_ptr + (ss[:, None] * M + m).to(tl.int64) * rank + rr[None, :],
                        mask=(ss < n_splits)[:, None] & t_mask[None, :], other=0.0), axis=0)
     n_mask = (rows < N) & (rows * 0 + idx >= 0)
     b = tl.load(b_ptr + a * stride_bn + rows[:, None] * stride_bo + rr[None, :],
