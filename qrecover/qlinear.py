@@ -225,6 +225,7 @@ class QuantLinear(_Packed, nn.Linear):
         device = getattr(self, self._tensor_names[0]).device
         for name in self._tensor_names:
             delattr(self, name)
+        self.__dict__.get("_stored_dtypes", {}).clear()  # the new tensors are held as they are
         self.scheme, self.bits, self.params = qw.scheme, qw.bits, dict(qw.params)
         self._quantizer = get_quantizer(qw.scheme, **qw.params)
         for name, t in qw.tensors.items():
@@ -321,10 +322,33 @@ def _new_packed_embedding(base: type) -> QuantEmbedding:
     return klass.__new__(klass)
 
 
+#: a floating dtype of each element width: an integer tensor held as one holds the same bytes
+_FLOAT_OF_WIDTH = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32, 8: torch.float64}
+
+
+class _ReadsStoredDtypes:
+    """Mixed into a packed module whose integer tensors are held as float parameters of the same width
+    (:func:`packed_as_parameters`): reading one by name gives it back in its stored dtype, the same bytes. A shard
+    of one (a DTensor, between FSDP's gathers) is returned as held: only its bytes are read then."""
+
+    def __getattr__(self, name: str):
+        t = super().__getattr__(name)
+        dtype = self.__dict__["_stored_dtypes"].get(name)
+        return t if dtype is None or hasattr(t, "to_local") else t.view(dtype)
+
+
+_READS_STORED: dict[type, type] = {}
+
+
 def packed_as_parameters(model: nn.Module) -> None:
     """Hold the packed tensors of every packed module in ``model`` as frozen parameters (``requires_grad=False``)
     instead of buffers, and turn their dense cache off: what FSDP needs to shard the base (it shards parameters and
     keeps buffers whole on every process), and a cached dense weight would be a whole copy per process.
+
+    Integer tensors are held as a float dtype of their width, bit for bit, and read back in their own dtype (the
+    module's class gains :class:`_ReadsStoredDtypes`): FSDP2 before torch 2.12 makes each sharded parameter with
+    ``requires_grad=True`` first, which no integer tensor can have (pytorch/pytorch#177844). One path on every
+    torch version.
 
     State-dict names, :attr:`_Packed.packed` and ``.to(dtype)`` (which casts none of them) are unchanged. 0-dim
     tensors stay buffers: FSDP shards along dim 0.
@@ -332,11 +356,18 @@ def packed_as_parameters(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, _Packed):
             m.cache, m._dense = False, None
+            stored = m.__dict__.setdefault("_stored_dtypes", {})
             for n in m._tensor_names:
                 t = m._buffers.get(n)
                 if t is not None and t.dim() > 0:
                     del m._buffers[n]
+                    if not t.is_floating_point():
+                        stored[n], t = t.dtype, t.view(_FLOAT_OF_WIDTH[t.element_size()])
                     m.register_parameter(n, nn.Parameter(t, requires_grad=False))
+            if stored and not isinstance(m, _ReadsStoredDtypes):
+                cls = type(m)
+                m.__class__ = _READS_STORED.setdefault(cls, type(cls.__name__, (_ReadsStoredDtypes, cls),
+                                                                 {"__module__": cls.__module__}))
 
 
 def local_packed_bytes(model: nn.Module) -> int:

@@ -195,15 +195,25 @@ def test_shard_base_on_one_process_warns_and_trains_unsharded(tiny_ckpt, chat_te
 
 def test_packed_tensors_as_frozen_parameters_keep_names_dtypes_and_outputs(tiny_ckpt):
     """What FSDP shards: the packed tensors as frozen parameters, the model otherwise the same (state-dict names,
-    stored dtypes through ``.to(dtype)``, logits), the dense cache off."""
+    stored dtypes through ``.to(dtype)``, logits), the dense cache off. Every parameter is floating (FSDP2 before
+    torch 2.12 fails on an integer one: pytorch/pytorch#177844); read by name, each tensor is the stored one."""
     from qrecover.qlinear import _Packed, local_packed_bytes, packed_as_parameters
 
     model = load(tiny_ckpt)
     ids = torch.arange(1, 17).unsqueeze(0)
     with torch.no_grad():
         before, names, nbytes = model(input_ids=ids).logits, list(model.state_dict()), local_packed_bytes(model)
-    packed_as_parameters(model)
     packed = [m for m in model.modules() if isinstance(m, _Packed)]
+    held = {(i, n): getattr(m, n).clone() for i, m in enumerate(packed) for n in m._tensor_names}
+    assert any(not t.is_floating_point() for t in held.values())  # codes: integers
+    packed_as_parameters(model)
+    assert all(p.is_floating_point() for p in model.parameters())
+    for (i, n), t in held.items():
+        now = getattr(packed[i], n)
+        assert now.dtype == t.dtype and torch.equal(now, t), n
+        assert packed[i].packed.tensors[n].dtype == t.dtype
+    assert [type(m).__name__ for m in packed] == [type(m).__name__ for m in load(tiny_ckpt).modules()
+                                                  if isinstance(m, _Packed)]
     assert all(not m.cache and m._dense is None for m in packed)
     tensor_names = {n for m in packed for n in m._tensor_names}  # e.g. qdata, scale, zero_point, lut
     frozen = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in tensor_names}
@@ -216,6 +226,10 @@ def test_packed_tensors_as_frozen_parameters_keep_names_dtypes_and_outputs(tiny_
     model.to(torch.float16)
     assert {n: p.dtype for n, p in model.named_parameters() if n in frozen} == stored
     assert all(isinstance(p, torch.nn.Parameter) for n, p in model.named_parameters() if n in frozen)
+    layer = next(m for m in packed if "qdata" in m._tensor_names and hasattr(m, "set_packed"))
+    layer.set_packed(layer.packed)  # the merge's path: its tensors become buffers again, read as stored
+    assert layer.qdata.dtype == held[packed.index(layer), "qdata"].dtype and torch.equal(
+        layer.qdata, held[packed.index(layer), "qdata"])
 
 
 def test_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_ckpt, chat_text_mix, tmp_path):

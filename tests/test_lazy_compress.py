@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,15 @@ def _write_random_model(d: Path, cfg: dict) -> int:
 
 
 
+def _imports_rss() -> int:
+    """Peak resident set size in bytes of a child that only imports what ``qrecover compress`` imports."""
+    code = ("import torch, transformers, qrecover.api, qrecover.stages\n"
+            "from transformers.models.llama import modeling_llama\n"
+            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return int(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout) * 1024
+
+
 def _peak_rss(cli_args: list[str], tmp_path) -> int:
     """Peak resident set size in bytes of a ``qrecover`` CLI child process (its VmHWM at exit)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -241,12 +251,13 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path, tok_dir):
         manifest = json.loads((tmp_path / f"out-{n}" / "qrecover.json").read_text())
         assert manifest["parameters"]["model"] * 4 == sizes[n]
         shutil.rmtree(src)
+    imports = _imports_rss()  # measured 0.47 GB with torch 2.13's CPU build, 0.89 GB with 2.11's CUDA build (on a CPU)
     grown, added = peaks[30] - peaks[6], sizes[30] - sizes[6]
     # the 2-bit output of 24 more layers is ~7% of their fp32 bytes, held once until the write (a uniform model
     # with finalize skips the candidate pass; measured -1.9%, i.e. within the noise; before that change, with
     # the candidates held beside the finalized copy, 24.5%); holding their weights would be 100%
     assert grown < 0.15 * added, (peaks, sizes)
-    assert peaks[30] < sizes[30], (peaks, sizes)  # (about 0.75 GB of it is the interpreter and its imports)
+    assert peaks[30] - imports < sizes[30], (peaks, sizes, imports)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
