@@ -91,9 +91,15 @@ def sweep(name: str, out_f: int, in_f: int, budget_s: float, t_end: float) -> di
         kernels.fused_linear(layer, x)
     tuner = next(c for k, c in qmatmul._TUNED.items() if k[0] == fmt)
     rows, t0 = [], time.time()
-    for base in variants(fmt, gemv):
+    bases, threads = variants(fmt, gemv), qmatmul.compile_threads()
+    chunk = 4 * threads  # compiled ahead a chunk at a time, in parallel (split-K 1 and >1 compile apart; the budget holds)
+    for i, base in enumerate(bases):
         if time.time() > min(t0 + budget_s, t_end):
             break
+        if i % chunk == 0:
+            ahead = [dataclasses.replace(b, split_k=s) for b in bases[i:i + chunk] for s in (1, 2) if b.block_k * s <= in_f]
+            qmatmul.compile_ahead(ahead, lambda cfg: qmatmul._launch(x, fmt, tensors[0], layer.bias, cfg, warmup=True),
+                                  threads)
         for s in SPLITS:
             if base.block_k * s > in_f:
                 continue

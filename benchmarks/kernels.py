@@ -315,17 +315,21 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
     qmodel = embed_in_dtype(load(ckpt).to(device=device, dtype=dtype), dtype)
     ids = torch.tensor([[5, 17, 42, 7]], device=device)
 
-    def generate(model) -> tuple[list[int], float, torch.Tensor]:
+    def generate(model) -> tuple[list[int], float, torch.Tensor, float]:
+        """Greedy tokens, tokens/s, the prompt's logits, and the first use's seconds (the prompt's forward and a
+        2-token warm-up: on CUDA with the kernels, every layer kind's tuning, compilations included)."""
         with torch.no_grad():
+            t_first = time.perf_counter()
             logits = model(input_ids=ids).logits[0].float()
             model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up, tuning
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            first_use = t0 - t_first
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             if device == "cuda":
                 torch.cuda.synchronize()
-        return out[0, ids.shape[1]:].tolist(), new_tokens / (time.perf_counter() - t0), logits
+        return out[0, ids.shape[1]:].tolist(), new_tokens / (time.perf_counter() - t0), logits, first_use
 
     quant = [m for m in qmodel.modules() if isinstance(m, QuantLinear)]
     calls = {"fused": 0}
@@ -341,17 +345,20 @@ def decode_checkpoint(ckpt: Path, device: str, timed: bool, new_tokens: int, den
         if not isinstance(kernels.layer_format(m), str):
             m.forward = lambda x, m=m: calls.__setitem__("fused", calls["fused"] + 1) or kernels.fused_linear(m, x)
     with kernels_env("1"):
-        fused_tokens, fused_tps, fused_logits = generate(qmodel)
+        fused_tokens, fused_tps, fused_logits, fused_first = generate(qmodel)
     for m in routed:
         m.__dict__.pop("forward", None)
     if device == "cpu" and not calls["fused"]:
         raise RuntimeError("no layer went through the fused kernel")
     with kernels_env("0"):
-        ref_tokens, ref_tps, ref_logits = generate(qmodel)
+        ref_tokens, ref_tps, ref_logits, _ = generate(qmodel)
     row["greedy_tokens_match"] = sum(a == b for a, b in zip(fused_tokens, ref_tokens)) / new_tokens
     row["prompt_logits_rel_err"] = rel_err(fused_logits, ref_logits)
     if timed:
-        row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps)
+        from qrecover.kernels import qmatmul
+
+        row.update(tok_s_fused=fused_tps, tok_s_reference=ref_tps, first_use_s_fused=round(fused_first, 2),
+                   tune_limit=qmatmul.tune_limit(), compile_threads=qmatmul.compile_threads())
         if dense is not None:
             row["tok_s_fp16"] = generate(dense)[1]
         row.update(static_graph_decode(qmodel, dense, ids, new_tokens))
@@ -455,6 +462,8 @@ def markdown(result: dict) -> str:
                   "reference rel. err "
                   f"{d['prompt_logits_rel_err']:.1e}; greedy tokens agree on {d['greedy_tokens_match']:.0%} of {d['new_tokens']}"]
         if timed:
+            lines[-1] += (f"; first use (tuning, {d['tune_limit'] or 'all'} candidates per layer kind, compiled in "
+                          f"{d['compile_threads']} threads) {d['first_use_s_fused']:.1f} s")
             lines[-1] += f"; tokens/s fused {d['tok_s_fused']:.1f}, reference {d['tok_s_reference']:.1f}"
             if "tok_s_fp16" in d:
                 lines[-1] += f", fp16 {d['tok_s_fp16']:.1f}"

@@ -206,3 +206,94 @@ def test_tune_off_leaves_out_the_named_variant_kinds(monkeypatch):
         qmatmul.without_variants(configs, fmt, {"QRECOVER_TUNE_OFF": "pipes"})
     with pytest.raises(ValueError, match="leaves no kernel config.*QRECOVER_KERNELS=0"):
         qmatmul.without_variants(configs[:1], fmt, {"QRECOVER_TUNE_OFF": "asm"})
+
+
+def test_tune_limit_and_compile_threads_read_the_environment():
+    """``QRECOVER_TUNE_LIMIT``: how many candidates the tuner times per layer kind (default 16 of up to 75; ``all``);
+    ``QRECOVER_COMPILE_THREADS``: how many compile ahead at once (default one per core, at most 16). A bad value is an
+    error naming it."""
+    from qrecover.kernels import qmatmul
+    from qrecover.kernels.formats import Format
+
+    assert qmatmul.tune_limit({}) == qmatmul.TUNE_LIMIT == 16
+    assert len(qmatmul.candidate_configs(Format(0, 3, 4096, 14336, 16, 14336, False), 1, fp16=True)) > 16
+    assert qmatmul.tune_limit({"QRECOVER_TUNE_LIMIT": " all "}) is None
+    assert qmatmul.tune_limit({"QRECOVER_TUNE_LIMIT": "6"}) == 6
+    for bad in ("0", "-3", "six"):
+        with pytest.raises(ValueError, match=f"QRECOVER_TUNE_LIMIT='{bad}': give a positive number.*or 'all'"):
+            qmatmul.tune_limit({"QRECOVER_TUNE_LIMIT": bad})
+    assert qmatmul.compile_threads({}) == max(1, min(16, os.cpu_count() or 1))
+    assert qmatmul.compile_threads({"QRECOVER_COMPILE_THREADS": "3"}) == 3
+    with pytest.raises(ValueError, match="QRECOVER_COMPILE_THREADS='0': give a positive number of threads"):
+        qmatmul.compile_threads({"QRECOVER_COMPILE_THREADS": "0"})
+
+
+def test_compile_ahead_warms_every_candidate_inside_triton_async_compile_mode():
+    """Each candidate's launch runs once with ``warmup=True`` while triton's ``AsyncCompileMode`` is active (so its
+    compilation goes to the thread pool); a candidate whose warm-up raises is left to the timing loop; with one
+    thread, or one candidate, nothing is compiled ahead; a failure of the step itself is one warning, never an
+    error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import triton
+    from triton.runtime import _async_compile
+
+    from qrecover.kernels import qmatmul
+    from qrecover.kernels.formats import Format
+
+    configs = qmatmul.candidate_configs(Format(0, 3, 4096, 14336, 16, 14336, False), 1, fp16=True)[:5]
+    warmed = []
+
+    def warm(cfg):
+        assert _async_compile.active_mode.get() is not None
+        warmed.append(cfg)
+        if cfg is configs[1]:
+            raise ValueError("a split this kernel refuses")
+
+    qmatmul.compile_ahead(configs, warm, threads=4)
+    assert warmed == configs and _async_compile.active_mode.get() is None
+    warmed.clear()
+    qmatmul.compile_ahead(configs, warm, threads=1)
+    qmatmul.compile_ahead(configs[:1], warm, threads=4)
+    assert warmed == []
+    with ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):  # one already active: triton refuses a second
+        with pytest.warns(UserWarning, match="compiling the kernel candidates ahead failed.*each compiles when it is"):
+            qmatmul.compile_ahead(configs, warm, threads=4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for the GPU")
+def test_compile_ahead_leaves_nothing_for_the_timing_loop_to_compile():
+    """On a GPU: after :func:`compile_ahead` with 4 threads, launching each candidate compiles nothing more (triton's
+    in-memory kernel caches do not grow), and every launch gives the reference path's output."""
+    from qrecover.kernels import gemv, qmatmul, qmm_dot
+    from qrecover.kernels.formats import Format
+
+    fmt = Format(0, 3, 512, 2048, 16, 2048, False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = {"qdata": torch.randint(0, 255, (512 * 2048 * 3 // 8,), dtype=torch.uint8, device="cuda", generator=g),
+               "lut": torch.randn(32, 8, device="cuda", generator=g).half()}
+    kernels = (gemv._gemv_kernel, qmm_dot._dot_decode_kernel, qmatmul._qmm_kernel, qmatmul._splitk_reduce)
+
+    def cached():
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    for batch in (1, 16):
+        x = torch.randn(batch, 2048, device="cuda", dtype=torch.float16, generator=g)
+        configs = qmatmul.candidate_configs(fmt, batch, fp16=True)[:8]
+        before = cached()
+        qmatmul.compile_ahead(configs, lambda cfg: qmatmul._launch(x, fmt, tensors, None, cfg, warmup=True), threads=4)
+        after = cached()
+        assert after > before
+        ref = torch.nn.functional.linear(x, _dequantized(fmt, tensors).half())
+        for cfg in configs:
+            assert qmatmul._agrees(qmatmul._launch(x, fmt, tensors, None, cfg), ref), cfg
+        assert cached() == after
+
+
+def _dequantized(fmt, tensors) -> torch.Tensor:
+    """The dense fp32 weight of a palettize layer's packed tensors (per 16 rows, whole-row tables)."""
+    from qrecover import packing
+
+    codes = packing.unpack(tensors["qdata"].cpu(), fmt.bits, fmt.out_f * fmt.in_f).long().view(fmt.out_f, fmt.in_f)
+    lut = tensors["lut"].cpu().float()
+    return lut[torch.arange(fmt.out_f).unsqueeze(1) // fmt.group, codes].to("cuda")

@@ -32,6 +32,8 @@ The packed codes are read in place (no repack of ``qdata``). Shapes: ``x (M, K)`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -657,6 +659,13 @@ def x_pairs(x: torch.Tensor) -> int:
     return X_FP16_PAIRS if x.dtype == torch.float16 else X_BF16_PAIRS
 
 
+def run(kernel, grid, warmup: bool = False):
+    """``kernel[grid]``, or with ``warmup`` its compilation alone (``JITFunction.warmup``: the same arguments, hence the
+    same specialization as the launch that follows, and nothing launched; the tuner compiles its candidates ahead
+    this way, several at a time: :func:`qrecover.kernels.qmatmul.compile_ahead`)."""
+    return functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+
+
 def check_split(k_split: int, cfg) -> None:
     """Both decode kernels tell triton that each split starts on a ``BLOCK_K`` boundary (``Config.pipe``: the
     alignment that makes the pipeliner's copies 16 bytes wide); a launch whose ``k_split`` is not a multiple of
@@ -667,11 +676,11 @@ def check_split(k_split: int, cfg) -> None:
 
 def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor,
            bias: torch.Tensor | None, target: torch.Tensor, k_split: int, grid: tuple[int, int, int], cfg,
-           out: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
+           out: torch.Tensor | None = None, counters: torch.Tensor | None = None, warmup: bool = False) -> None:
     """Run :func:`_gemv_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
     ``lut``: :func:`kernel_tables` for palettize, in ``cfg.lut``'s layout (-1: :func:`lut_mode`'s). ``out`` and
     ``counters`` (``cfg.serial`` with split-K): the output the last program of each tile writes, and one zeroed int32
-    counter per output tile (reset by the kernel)."""
+    counter per output tile (reset by the kernel). ``warmup``: compile it only (:func:`run`)."""
     m, k = x.shape
     n = fmt.out_f
     check_split(k_split, cfg)
@@ -691,7 +700,7 @@ def launch(x: torch.Tensor, fmt: Format, qw: torch.Tensor, lut: torch.Tensor, sc
         raise ValueError(f"lut mode {mode} (fp16 pair FMAs) needs fp16 activations whose rows start on 4-byte boundaries, "
                          f"got {x.dtype} with row stride {x.stride(0)}; use LUT_REGS or LUT_REGS_NIBBLES")
     xv = x.view(torch.int32) if xp else x
-    _gemv_kernel[grid](
+    run(_gemv_kernel, grid, warmup)(
         xv, qw, lut, scale, zp, qw if bias is None else bias, target, target if out is None else out,
         qw if counters is None else counters, m, n, k, row_words(fmt, qw, mode), k // fmt.cblock,
         zp.numel() if fmt.has_zp else 0, k_split, x.stride(0) // 2 if xp else x.stride(0), n, m * n,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -336,8 +337,13 @@ def _decode_configs(fmt: Format, m: int, ks: list[int]) -> list[Config]:
 
 _TUNED: dict[tuple, Config] = {}
 
-#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 6)
-TUNE_LIMIT: int | None = None
+#: at most this many configs are timed per case (None: all; benchmarks/kernels.py --quick sets 6). The lists are
+#: ordered best guess first and hold up to 75 candidates at batch 1 (palettize-3), each a compilation of about a
+#: second and a timing: 16 keeps a layer kind's first use to seconds. ``QRECOVER_TUNE_LIMIT=N`` or ``all`` overrides.
+TUNE_LIMIT: int | None = 16
+TUNE_LIMIT_ENV = "QRECOVER_TUNE_LIMIT"
+#: threads compiling the tuner's candidates ahead of timing them (``QRECOVER_COMPILE_THREADS``; 1: none ahead)
+COMPILE_THREADS_ENV = "QRECOVER_COMPILE_THREADS"
 #: per tuned case, what the tuner measured of each candidate: ms, or why it was skipped (benchmarks/kernels.py prints it)
 TIMINGS: dict[tuple, dict[Config, float | str]] = {}
 #: streaming multiprocessors the split-K of the decode path is sized for (H100 SXM: 132)
@@ -385,7 +391,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: torch.Tensor | None,
-            cfg: Config) -> torch.Tensor:
+            cfg: Config, warmup: bool = False) -> torch.Tensor:
+    """``x @ W^T + bias`` by ``cfg``'s kernel. ``warmup``: compile the launch's kernels only (:func:`compile_ahead`;
+    the output is then not computed)."""
     m, k = x.shape
     n = fmt.out_f
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -409,7 +417,7 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
             qw = gemv.nibble_codes(fmt, qw) if nib is None else nib
         if not cfg.use_dot:
             counters = split_counters(x.device, grid[0] * grid[1]) if cfg.serial and not direct else None
-            gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, out, counters)
+            gemv.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, out, counters, warmup)
             if counters is not None:  # the kernel's last program per tile wrote the output
                 return out
         else:
@@ -420,9 +428,9 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
                                      f"and fp16 activations, got {fmt.bits}-bit and {x.dtype}; use lut -1")
                 mode = gemv.BLOCKWISE_H2
             lut = lut.view(torch.int64) if mode == gemv.LUT_PAIRS else lut
-            qmm_dot.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, mode, _ieee_dot(x.dtype))
+            qmm_dot.launch(x, fmt, qw, lut, scale, zp, bias, target, k_split, grid, cfg, mode, _ieee_dot(x.dtype), warmup)
     else:
-        _qmm_kernel[grid](
+        gemv.run(_qmm_kernel, grid, warmup)(
             x, qw, lut, scale, zp, bias if bias is not None else dummy, target,
             m, n, k, k // fmt.cblock, zp_nbytes, k_split, x.stride(0), n, m * n,
             SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
@@ -432,7 +440,7 @@ def _launch(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias
         )
     if not direct:
         block = 1024
-        _splitk_reduce[(triton.cdiv(m * n, block),)](
+        gemv.run(_splitk_reduce, (triton.cdiv(m * n, block),), warmup)(
             target, bias if bias is not None else dummy, out, m * n, n, m * n,
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
         )
@@ -490,6 +498,54 @@ def without_variants(configs: list[Config], fmt: Format, environ=os.environ) -> 
     return kept
 
 
+def tune_limit(environ=os.environ) -> int | None:
+    """How many candidates the tuner times per case: ``QRECOVER_TUNE_LIMIT`` (a positive number, or ``all``), else
+    :data:`TUNE_LIMIT`. A bad value is an error naming it."""
+    raw = environ.get(TUNE_LIMIT_ENV, "").strip().lower()
+    if not raw:
+        return TUNE_LIMIT
+    if raw == "all":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{TUNE_LIMIT_ENV}={environ[TUNE_LIMIT_ENV]!r}: give a positive number of kernel configurations "
+                         f"to time per layer kind (default {TUNE_LIMIT}), or 'all'")
+    return int(raw)
+
+
+def compile_threads(environ=os.environ) -> int:
+    """Threads for :func:`compile_ahead`: ``QRECOVER_COMPILE_THREADS``, else one per CPU core up to 16."""
+    raw = environ.get(COMPILE_THREADS_ENV, "").strip()
+    if not raw:
+        return max(1, min(16, os.cpu_count() or 1))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{COMPILE_THREADS_ENV}={raw!r}: give a positive number of threads (1: compile each kernel "
+                         "configuration as it is first timed)")
+    return int(raw)
+
+
+def compile_ahead(configs: list[Config], warm, threads: int) -> None:
+    """Compile every candidate before any is timed, ``threads`` at a time: ``warm(cfg)`` runs ``cfg``'s launch with
+    ``warmup=True`` (the kernels compiled with the launch's own specialization, nothing launched) inside triton's
+    ``AsyncCompileMode``, which hands each compilation to the thread pool. Triton's compiler leaves Python's lock for
+    most of its work: measured on this 2-core CPU, 8 decode-kernel variants for sm_90 compiled in 5.3 s one after
+    another and 3.0 s in 2 threads; the GPU machines have 16 cores or more. Nothing here can change a result: a
+    kernel enters triton's cache only when its compilation succeeds, and one that fails is compiled again by the
+    timing loop, which says why (:func:`_fastest`); an error of this step only costs its head start (one warning)."""
+    mode = getattr(triton, "AsyncCompileMode", None)  # triton 3.4 and later
+    if threads <= 1 or len(configs) <= 1 or mode is None:
+        return
+    try:
+        with ThreadPoolExecutor(threads) as pool, mode(pool, ignore_errors=True):
+            for cfg in configs:
+                try:
+                    warm(cfg)
+                except Exception:  # noqa: BLE001 (e.g. a split a kernel refuses: the timing loop reports it)
+                    pass
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"qrecover: compiling the kernel candidates ahead failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "each compiles when it is first timed", stacklevel=2)
+
+
 def _checker(ref: torch.Tensor | None, run):
     """The tuner's check of a candidate (``run(cfg)``: its output) against the reference output ``ref``; None (no
     check) without a reference or where it is not finite (inputs with inf or NaN: nothing to judge by, and the layer
@@ -512,7 +568,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
         configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
     if tensors["qdata"].nbytes > dispatch.DENSE_FREE_FRACTION * dispatch.free_memory(x.device):  # no room for a
         configs = [c for c in configs if c.lut not in gemv.NIBBLE_MODES]  # second copy of the codes
-    configs = without_variants(configs, fmt)[:TUNE_LIMIT]
+    configs = without_variants(configs, fmt)[:tune_limit()]
     if interpreting() or x.device.type != "cuda" or len(configs) == 1:
         best = configs[0]
     elif torch.cuda.is_current_stream_capturing():  # inside someone's graph capture nothing can be timed: not kept
@@ -520,6 +576,7 @@ def _tune(x: torch.Tensor, fmt: Format, tensors: dict[str, torch.Tensor], bias: 
     else:
         if any(c.lut in gemv.NIBBLE_MODES for c in configs) and "qdata_nibbles" not in tensors:
             tensors = {**tensors, "qdata_nibbles": gemv.nibble_codes(fmt, code_words(tensors["qdata"]))}
+        compile_ahead(configs, lambda cfg: _launch(x, fmt, tensors, bias, cfg, warmup=True), compile_threads())
         check = _checker(None if reference is None else reference(x), lambda cfg: _launch(x, fmt, tensors, bias, cfg))
         if any(c.serial for c in configs):  # its counters made before the timing's graph capture
             split_counters(x.device, triton.cdiv(fmt.out_f, 16) * x.shape[0])

@@ -37,6 +37,7 @@ from .gemv import (
     _store_tile,
     check_split,
     row_words,
+    run,
 )
 
 
@@ -193,12 +194,13 @@ def interpreting() -> bool:
 
 
 def launch(x, fmt, qw, lut, scale, zp, bias, target, k_split: int, grid: tuple[int, int, int], cfg: DotDecode,
-           mode: int, ieee: bool) -> None:
+           mode: int, ieee: bool, warmup: bool = False) -> None:
     """Run :func:`_dot_decode_kernel` into ``target`` (the output, or the split-K workspace when ``grid[2] > 1``);
-    ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view)."""
+    ``lut``: palettize tables in layout ``mode`` (``gemv.LUT_*``; pair tables as their int64 view). ``warmup``: compile
+    it only (:func:`gemv.run`)."""
     m, k = x.shape
     check_split(k_split, cfg)
-    _dot_decode_kernel[grid](
+    run(_dot_decode_kernel, grid, warmup)(
         x, qw, lut, scale, zp, qw if bias is None else bias, target, m, fmt.out_f, k, row_words(fmt, qw, mode),
         k // fmt.cblock, zp.numel() if fmt.has_zp else 0, k_split, x.stride(0), fmt.out_f, m * fmt.out_f,
         SCHEME=fmt.scheme, BITS=fmt.bits, GROUP=fmt.group, CBLOCK=fmt.cblock, HAS_ZP=fmt.has_zp,
