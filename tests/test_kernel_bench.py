@@ -297,3 +297,13 @@ def _dequantized(fmt, tensors) -> torch.Tensor:
     codes = packing.unpack(tensors["qdata"].cpu(), fmt.bits, fmt.out_f * fmt.in_f).long().view(fmt.out_f, fmt.in_f)
     lut = tensors["lut"].cpu().float()
     return lut[torch.arange(fmt.out_f).unsqueeze(1) // fmt.group, codes].to("cuda")
+
+
+def test_compile_ahead_compiles_the_real_kernels_for_sm90_without_a_gpu():
+    """``benchmarks/tuner_compile.py``: with a driver that only answers what a compilation asks (sm_90), the tuner's
+    warm-up launches compile its candidates in threads through triton's ``AsyncCompileMode``, and warming them again
+    compiles nothing more: what the timing loop finds on a GPU."""
+    from benchmarks.tuner_compile import run_one
+
+    r = run_one(threads=2, batch=1, candidates=4, out_f=64, in_f=1024)
+    assert r["candidates"] == 4 and r["kernels"] >= 4 and r["compiled_again"] == 0 and r["failed"] == [], r
