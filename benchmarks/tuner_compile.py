@@ -9,6 +9,9 @@ compiles nothing more (what the timing loop will find on a GPU).
 
     python benchmarks/tuner_compile.py                      # palettize-3 14336 inputs, batch 1 and 16, 1 and 2 threads
     python benchmarks/tuner_compile.py --threads 1,4 --candidates 8 --batches 1
+    python benchmarks/tuner_compile.py --every-candidate    # a check, not a timing: every candidate the tuner would
+        # time (its first 16) of palettize-3/4 and blockwise-4 at 4096 and 14336 inputs, batch 1-64, fp16 and bf16,
+        # compiled for sm_90 through its real launch; lists any that fail (~7 min on 2 cores with triton 3.6)
 
 Each configuration runs in a process of its own (triton's in-memory caches, and TRITON_INTERPRET, are per process).
 Run it on an otherwise idle machine: the threads compete with anything else for the cores.
@@ -27,14 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_CHILD = r"""
+#: the start of each child: triton's JIT given a driver that answers only what a compilation asks (sm_90, device 0)
+_DRIVER = r"""
 import json, os, sys, time
 import torch, triton
 from triton.backends.compiler import GPUTarget
 
 
 class CompileOnlyDriver:
-    # what triton's JIT asks of a driver to compile a kernel (not to launch one)
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
 
@@ -46,6 +49,9 @@ class CompileOnlyDriver:
 
 
 triton.runtime.driver.set_active(CompileOnlyDriver())
+"""
+
+_CHILD = _DRIVER + r"""
 from qrecover.kernels import gemv, qmatmul, qmm_dot
 from qrecover.kernels.formats import Format
 
@@ -90,13 +96,53 @@ print(json.dumps({"threads": threads, "batch": batch, "candidates": len(configs)
 """
 
 
+_EVERY = _DRIVER + r"""
+from qrecover.kernels import gemv, kernel_tensors, layer_format, qmatmul
+from benchmarks.kernels import random_layer
+
+limit, failed, warmed = qmatmul.tune_limit(), [], 0
+for name in ("palettize-3", "palettize-4", "blockwise-4-b64"):
+    for in_f in (14336, 4096):
+        layer = random_layer(name, 512, in_f, "cpu")
+        fmt = layer_format(layer)
+        tensors = kernel_tensors(layer, fmt)
+        for batch in (1, 2, 4, 16, 32, 64):
+            for dtype in (torch.float16, torch.bfloat16):
+                x = torch.randn(batch, in_f, dtype=dtype)
+                configs = qmatmul.candidate_configs(fmt, batch, False, dtype == torch.float16)
+                if not gemv.fp16_chains_allowed(x):
+                    configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
+                for cfg in configs[:limit]:
+                    warmed += 1
+                    try:
+                        qmatmul._launch(x, fmt, tensors, None, cfg, warmup=True)
+                    except Exception as e:
+                        failed.append([name, in_f, batch, str(dtype), str(cfg), f"{type(e).__name__}: {str(e)[:300]}"])
+        print(f"{name} at {in_f} inputs: {len(failed)} failures so far", file=sys.stderr, flush=True)
+print(json.dumps({"warmed": warmed, "failed": failed}))
+"""
+
+
+def _child_env(cache: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=cache, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
+    return env
+
+
+def every_candidate() -> dict:
+    """Warm (compile) every candidate the tuner would time at the cases above, one process, a fresh cache."""
+    with tempfile.TemporaryDirectory() as cache:
+        proc = subprocess.run([sys.executable, "-c", _EVERY], env=_child_env(cache), stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the check failed to run (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_one(threads: int, batch: int, candidates: int, out_f: int, in_f: int) -> dict:
     """One configuration in a fresh process with a fresh triton cache (compiled kernels are cached on disk)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(TRITON_CACHE_DIR=cache, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(threads), str(batch), str(candidates), str(out_f),
-                               str(in_f)], env=env, capture_output=True, text=True)
+                               str(in_f)], env=_child_env(cache), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the compile run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -110,7 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="512x14336", help="out x in (palettize-3; the input width is what the kernels "
                                                         "specialize on; the rows only cost the host-side repacks)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "tuner_compile.json"))
+    ap.add_argument("--every-candidate", action="store_true", help="check that every candidate the tuner would time "
+                    "compiles for sm_90 (no timing); exit 1 if any fails")
     args = ap.parse_args(argv)
+    if args.every_candidate:
+        t0 = time.perf_counter()
+        r = every_candidate()
+        for f in r["failed"]:
+            print("FAILED:", *f)
+        print(f"{r['warmed']} candidate launches compiled for sm_90 in {time.perf_counter() - t0:.0f} s, "
+              f"{len(r['failed'])} failed")
+        return 1 if r["failed"] else 0
     out_f, in_f = (int(v) for v in args.shape.lower().split("x"))
     rows = []
     print("| batch | threads | candidates | kernels compiled | seconds | vs 1 thread | compiled again |")

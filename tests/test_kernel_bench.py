@@ -217,6 +217,11 @@ def test_tune_limit_and_compile_threads_read_the_environment():
 
     assert qmatmul.tune_limit({}) == qmatmul.TUNE_LIMIT == 16
     assert len(qmatmul.candidate_configs(Format(0, 3, 4096, 14336, 16, 14336, False), 1, fp16=True)) > 16
+    for fmt in (Format(0, 3, 4096, 14336, 16, 14336, False), Format(1, 4, 4096, 14336, 1, 64, False)):
+        for batch in (1, 2, 4, 16, 32, 64):  # the first 16 hold every variant kind the list offers
+            configs = qmatmul.candidate_configs(fmt, batch, fp16=True)
+            kinds = [qmatmul.variant_kinds(c, fmt) for c in configs]
+            assert set().union(*kinds[:qmatmul.TUNE_LIMIT]) == set().union(*kinds), (fmt, batch)
     assert qmatmul.tune_limit({"QRECOVER_TUNE_LIMIT": " all "}) is None
     assert qmatmul.tune_limit({"QRECOVER_TUNE_LIMIT": "6"}) == 6
     for bad in ("0", "-3", "six"):
