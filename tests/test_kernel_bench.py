@@ -312,3 +312,13 @@ def test_compile_ahead_compiles_the_real_kernels_for_sm90_without_a_gpu():
 
     r = run_one(threads=2, batch=1, candidates=4, out_f=64, in_f=1024)
     assert r["candidates"] == 4 and r["kernels"] >= 4 and r["compiled_again"] == 0 and r["failed"] == [], r
+
+
+def test_every_training_and_serving_kernel_compiles_for_sm90_through_its_launch():
+    """``benchmarks/launch_compile.py``: Liger's fused layers, the distillation loss, the multi-adapter shrink and
+    expand and r4's rotation, each called as qrecover calls it, compile for sm_90 (only the launch fails, no GPU)."""
+    pytest.importorskip("liger_kernel")
+    from benchmarks.launch_compile import check
+
+    r = check("bfloat16")
+    assert len(r["rows"]) == 9 and all(row["compiled"] for row in r["rows"]), r
