@@ -10,8 +10,10 @@ compiles nothing more (what the timing loop will find on a GPU).
     python benchmarks/tuner_compile.py                      # palettize-3 14336 inputs, batch 1 and 16, 1 and 2 threads
     python benchmarks/tuner_compile.py --threads 1,4 --candidates 8 --batches 1
     python benchmarks/tuner_compile.py --every-candidate    # a check, not a timing: every candidate the tuner would
-        # time (its first 16) of palettize-3/4 and blockwise-4 at 4096 and 14336 inputs, batch 1-64, fp16 and bf16,
-        # compiled for sm_90 through its real launch; lists any that fail (~7 min on 2 cores with triton 3.6)
+        # time (its first 16) of palettize-3/4 and blockwise-4 b64 at 4096 and 14336 inputs, and of palettize 2/8-bit,
+        # palettize 3/4-bit with block tables and blockwise 2/3/4/8-bit (zero points, blocks 32-128) at 2048 inputs,
+        # batch 1-64, fp16 and bf16, compiled for sm_90 through its real launch; lists any that fail (17 min on 2
+        # cores with triton 3.6; --quick-formats: the first six, ~7 min)
 
 Each configuration runs in a process of its own (triton's in-memory caches, and TRITON_INTERPRET, are per process).
 Run it on an otherwise idle machine: the threads compete with anything else for the cores.
@@ -97,28 +99,46 @@ print(json.dumps({"threads": threads, "batch": batch, "candidates": len(configs)
 
 
 _EVERY = _DRIVER + r"""
-from qrecover.kernels import gemv, kernel_tensors, layer_format, qmatmul
-from benchmarks.kernels import random_layer
+import json, sys
+import torch
+from qrecover.kernels import gemv, qmatmul
+from qrecover.kernels.formats import BLOCKWISE, PALETTIZE, Format
+from qrecover.packing import packed_nbytes
 
+cases = [(PALETTIZE, bits, None, False, in_f) for bits in (3, 4) for in_f in (14336, 4096)]  # the --quick table's
+cases += [(BLOCKWISE, 4, 64, False, in_f) for in_f in (14336, 4096)]
+cases += [(PALETTIZE, 2, None, False, 2048), (PALETTIZE, 8, None, False, 2048),  # the other stored formats, at a
+          (PALETTIZE, 3, 256, False, 2048), (PALETTIZE, 4, 256, False, 2048),      # 1B Llama's hidden width
+          (BLOCKWISE, 4, 32, True, 2048), (BLOCKWISE, 3, 128, True, 2048), (BLOCKWISE, 2, 64, True, 2048),
+          (BLOCKWISE, 8, 128, False, 2048)]
+if len(sys.argv) > 1 and sys.argv[1] == "quick":
+    cases = cases[:6]
 limit, failed, warmed = qmatmul.tune_limit(), [], 0
-for name in ("palettize-3", "palettize-4", "blockwise-4-b64"):
-    for in_f in (14336, 4096):
-        layer = random_layer(name, 512, in_f, "cpu")
-        fmt = layer_format(layer)
-        tensors = kernel_tensors(layer, fmt)
-        for batch in (1, 2, 4, 16, 32, 64):
-            for dtype in (torch.float16, torch.bfloat16):
-                x = torch.randn(batch, in_f, dtype=dtype)
-                configs = qmatmul.candidate_configs(fmt, batch, False, dtype == torch.float16)
-                if not gemv.fp16_chains_allowed(x):
-                    configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
-                for cfg in configs[:limit]:
-                    warmed += 1
-                    try:
-                        qmatmul._launch(x, fmt, tensors, None, cfg, warmup=True)
-                    except Exception as e:
-                        failed.append([name, in_f, batch, str(dtype), str(cfg), f"{type(e).__name__}: {str(e)[:300]}"])
-        print(f"{name} at {in_f} inputs: {len(failed)} failures so far", file=sys.stderr, flush=True)
+g = torch.Generator().manual_seed(0)
+for scheme, bits, block, zp, in_f in cases:
+    out_f, cblock = 512, block or in_f
+    fmt = Format(scheme, bits, out_f, in_f, 16 if scheme == PALETTIZE else 1, cblock, zp)
+    tensors = {"qdata": torch.randint(0, 256, (packed_nbytes(out_f * in_f, bits),), dtype=torch.uint8, generator=g)}
+    if scheme == PALETTIZE:
+        tensors["lut"] = torch.randn(out_f // 16 * (in_f // cblock), 2**bits, generator=g).half()
+    else:
+        tensors["scale"] = torch.rand(out_f, in_f // cblock, generator=g).half()
+        if zp:
+            tensors["zero_point"] = torch.randint(0, 256, (packed_nbytes(out_f * in_f // cblock, bits),),
+                                                  dtype=torch.uint8, generator=g)
+    for batch in (1, 2, 4, 16, 32, 64):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(batch, in_f, dtype=dtype, generator=g)
+            configs = qmatmul.candidate_configs(fmt, batch, False, dtype == torch.float16)
+            if not gemv.fp16_chains_allowed(x):
+                configs = [c for c in configs if c.use_dot or c.lut not in gemv.H2_MODES]
+            for cfg in configs[:limit]:
+                warmed += 1
+                try:
+                    qmatmul._launch(x, fmt, tensors, None, cfg, warmup=True)
+                except Exception as e:
+                    failed.append([str(fmt), batch, str(dtype), str(cfg), f"{type(e).__name__}: {str(e)[:300]}"])
+    print(f"{fmt}: {len(failed)} failures so far", file=sys.stderr, flush=True)
 print(json.dumps({"warmed": warmed, "failed": failed}))
 """
 
@@ -129,10 +149,12 @@ def _child_env(cache: str) -> dict:
     return env
 
 
-def every_candidate() -> dict:
-    """Warm (compile) every candidate the tuner would time at the cases above, one process, a fresh cache."""
+def every_candidate(quick: bool = False) -> dict:
+    """Warm (compile) every candidate the tuner would time at the cases above (``quick``: the --quick table's formats
+    only), one process, a fresh cache."""
     with tempfile.TemporaryDirectory() as cache:
-        proc = subprocess.run([sys.executable, "-c", _EVERY], env=_child_env(cache), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run([sys.executable, "-c", _EVERY, "quick" if quick else "all"], env=_child_env(cache),
+                              stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the check failed to run (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -158,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "tuner_compile.json"))
     ap.add_argument("--every-candidate", action="store_true", help="check that every candidate the tuner would time "
                     "compiles for sm_90 (no timing); exit 1 if any fails")
+    ap.add_argument("--quick-formats", action="store_true", help="with --every-candidate: the --quick table's formats only")
     args = ap.parse_args(argv)
     if args.every_candidate:
         t0 = time.perf_counter()
-        r = every_candidate()
+        r = every_candidate(args.quick_formats)
         for f in r["failed"]:
             print("FAILED:", *f)
         print(f"{r['warmed']} candidate launches compiled for sm_90 in {time.perf_counter() - t0:.0f} s, "
