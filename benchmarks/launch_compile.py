@@ -4,7 +4,7 @@ A check, not a timing. Triton's JIT is given a driver that answers only what a c
 (``benchmarks/tuner_compile.py``); each kernel is called as qrecover calls it, with CPU tensors of the real shapes
 and dtypes: triton specializes and compiles it for sm_90, and only the launch itself then fails (no GPU). A kernel
 that does not compile (an error of triton's front end, or PTX that ptxas rejects) fails before that, and is named.
-Covered: Liger Kernel's RMSNorm, SwiGLU and rotary embedding (the training step's fused layers, forward), the
+Covered: Liger Kernel's RMSNorm, SwiGLU and rotary embedding (the training step's fused layers, forward and backward), the
 distillation loss kernel, the multi-adapter LoRA shrink and expand (fp16 and int8 adapters), r4's Hadamard rotation. The
 tuner's dequant-matmul candidates: ``tuner_compile.py --every-candidate``.
 
@@ -63,6 +63,21 @@ for name in sys.argv[1].split(","):
     rows.append(attempt(f"Liger SwiGLU {name}", lambda: LigerSiLUMulFunction.apply(
         torch.randn(2, 16, 8192, dtype=dt), torch.randn(2, 16, 8192, dtype=dt))))
     rows.append(attempt(f"Liger rotary embedding {name}", lambda: LigerRopeFunction.apply(
+        torch.randn(1, 32, 16, 64, dtype=dt), torch.randn(1, 8, 16, 64, dtype=dt), torch.randn(1, 16, 64, dtype=dt),
+        torch.randn(1, 16, 64, dtype=dt))))
+    # their backward kernels, called as the autograd functions call them (liger-kernel 0.8.5's module functions)
+    from liger_kernel.ops.rms_norm import _str_to_casting_mode, rms_norm_backward
+    from liger_kernel.ops.rope import rope_backward
+    from liger_kernel.ops.swiglu import swiglu_backward
+    from liger_kernel.ops.utils import calculate_settings
+
+    block, warps = calculate_settings(2048)
+    rows.append(attempt(f"Liger RMSNorm backward {name}", lambda: rms_norm_backward(
+        torch.randn(64, 2048, dtype=dt), torch.randn(64, 2048, dtype=dt), torch.ones(2048, dtype=dt), torch.ones(64),
+        0.0, _str_to_casting_mode["llama"], block, warps, False, None)))
+    rows.append(attempt(f"Liger SwiGLU backward {name}", lambda: swiglu_backward(
+        torch.randn(2, 16, 8192, dtype=dt), torch.randn(2, 16, 8192, dtype=dt), torch.randn(2, 16, 8192, dtype=dt))))
+    rows.append(attempt(f"Liger rotary embedding backward {name}", lambda: rope_backward(
         torch.randn(1, 32, 16, 64, dtype=dt), torch.randn(1, 8, 16, 64, dtype=dt), torch.randn(1, 16, 64, dtype=dt),
         torch.randn(1, 16, 64, dtype=dt))))
     rows.append(attempt(f"distillation loss {name}", lambda: kd_loss.kd_loss_and_grad(
