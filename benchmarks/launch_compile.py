@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tuner_compile import _DRIVER, _child_env  # noqa: E402
+from benchmarks.tuner_compile import DRIVER, child_env  # noqa: E402
 
-_CHILD = _DRIVER + r"""
+_CHILD = DRIVER + r"""
 import torch
 
 LAUNCH = "compile-only driver"
@@ -102,7 +102,7 @@ print(json.dumps({"triton": triton.__version__, "rows": rows}))
 def check(dtypes: str = "bfloat16,float16") -> dict:
     """Compile every kernel above for sm_90 in a fresh process and triton cache; one row per kernel and dtype."""
     with tempfile.TemporaryDirectory() as cache:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, dtypes], env=_child_env(cache), capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", _CHILD, dtypes], env=child_env(cache), capture_output=True,
                               text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the check failed to run:\n{proc.stderr[-3000:]}")

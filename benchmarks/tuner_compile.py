@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the start of each child: triton's JIT given a driver that answers only what a compilation asks (sm_90, device 0)
-_DRIVER = r"""
+DRIVER = r"""
 import json, os, sys, time
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -53,7 +53,7 @@ class CompileOnlyDriver:
 triton.runtime.driver.set_active(CompileOnlyDriver())
 """
 
-_CHILD = _DRIVER + r"""
+_CHILD = DRIVER + r"""
 from qrecover.kernels import gemv, qmatmul, qmm_dot
 from qrecover.kernels.formats import Format
 
@@ -98,7 +98,7 @@ print(json.dumps({"threads": threads, "batch": batch, "candidates": len(configs)
 """
 
 
-_EVERY = _DRIVER + r"""
+_EVERY = DRIVER + r"""
 import json, sys
 import torch
 from qrecover.kernels import gemv, qmatmul
@@ -143,7 +143,7 @@ print(json.dumps({"warmed": warmed, "failed": failed}))
 """
 
 
-def _child_env(cache: str) -> dict:
+def child_env(cache: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=cache, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
     return env
@@ -153,7 +153,7 @@ def every_candidate(quick: bool = False) -> dict:
     """Warm (compile) every candidate the tuner would time at the cases above (``quick``: the --quick table's formats
     only), one process, a fresh cache."""
     with tempfile.TemporaryDirectory() as cache:
-        proc = subprocess.run([sys.executable, "-c", _EVERY, "quick" if quick else "all"], env=_child_env(cache),
+        proc = subprocess.run([sys.executable, "-c", _EVERY, "quick" if quick else "all"], env=child_env(cache),
                               stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the check failed to run (exit {proc.returncode})")
@@ -164,7 +164,7 @@ def run_one(threads: int, batch: int, candidates: int, out_f: int, in_f: int) ->
     """One configuration in a fresh process with a fresh triton cache (compiled kernels are cached on disk)."""
     with tempfile.TemporaryDirectory() as cache:
         proc = subprocess.run([sys.executable, "-c", _CHILD, str(threads), str(batch), str(candidates), str(out_f),
-                               str(in_f)], env=_child_env(cache), capture_output=True, text=True)
+                               str(in_f)], env=child_env(cache), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the compile run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

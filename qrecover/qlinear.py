@@ -340,6 +340,13 @@ class _ReadsStoredDtypes:
 _READS_STORED: dict[type, type] = {}
 
 
+def _reads_stored(cls: type) -> type:
+    """``cls`` with :class:`_ReadsStoredDtypes` mixed in (one subclass per class, of the same name)."""
+    if cls not in _READS_STORED:
+        _READS_STORED[cls] = type(cls.__name__, (_ReadsStoredDtypes, cls), {"__module__": cls.__module__})
+    return _READS_STORED[cls]
+
+
 def packed_as_parameters(model: nn.Module) -> None:
     """Hold the packed tensors of every packed module in ``model`` as frozen parameters (``requires_grad=False``)
     instead of buffers, and turn their dense cache off: what FSDP needs to shard the base (it shards parameters and
@@ -365,9 +372,7 @@ def packed_as_parameters(model: nn.Module) -> None:
                         stored[n], t = t.dtype, t.view(_FLOAT_OF_WIDTH[t.element_size()])
                     m.register_parameter(n, nn.Parameter(t, requires_grad=False))
             if stored and not isinstance(m, _ReadsStoredDtypes):
-                cls = type(m)
-                m.__class__ = _READS_STORED.setdefault(cls, type(cls.__name__, (_ReadsStoredDtypes, cls),
-                                                                 {"__module__": cls.__module__}))
+                m.__class__ = _reads_stored(type(m))
 
 
 def local_packed_bytes(model: nn.Module) -> int:

@@ -527,8 +527,8 @@ def compile_ahead(configs: list[Config], warm, threads: int) -> None:
     """Compile every candidate before any is timed, ``threads`` at a time: ``warm(cfg)`` runs ``cfg``'s launch with
     ``warmup=True`` (the kernels compiled with the launch's own specialization, nothing launched) inside triton's
     ``AsyncCompileMode``, which hands each compilation to the thread pool. Triton's compiler leaves Python's lock for
-    most of its work: measured on this 2-core CPU, 8 decode-kernel variants for sm_90 compiled in 5.3 s one after
-    another and 3.0 s in 2 threads; the GPU machines have 16 cores or more. Nothing here can change a result: a
+    most of its work: on a 2-core CPU, a palettize-3 layer's 16 candidates for sm_90 compiled in 12.1 s one after
+    another and 7.1 s in 2 threads (triton 3.6, ``benchmarks/tuner_compile.py``); the GPU machines have 16 cores. Nothing here can change a result: a
     kernel enters triton's cache only when its compilation succeeds, and one that fails is compiled again by the
     timing loop, which says why (:func:`_fastest`); an error of this step only costs its head start (one warning)."""
     mode = getattr(triton, "AsyncCompileMode", None)  # triton 3.4 and later
